@@ -1,0 +1,464 @@
+/*
+ * vattn._native: host virtual-memory primitives for the KV cache.
+ *
+ * A Reservation is a range of virtual addresses with no memory behind it
+ * (PROT_NONE), or behind it only the kernel's shared zero page (read-only),
+ * when it is zero-backed.  A PhysicalFile is a memfd: the pool of physical
+ * pages.  map_pages() maps pages of the file at addresses of the reservation
+ * (MAP_SHARED|MAP_FIXED); unmap_pages() puts the reservation's own backing
+ * back.  Mapping one file page at two addresses is real page sharing.
+ *
+ * Batched calls validate everything first, release the GIL, merge runs of
+ * pages that are contiguous in both the reservation and the file into one
+ * syscall, and undo what they did if a syscall fails, so a failed call leaves
+ * nothing half-mapped.
+ */
+#define _GNU_SOURCE
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+static PyObject *MapLimitError;
+
+static long os_page(void) { return sysconf(_SC_PAGESIZE); }
+
+static long max_map_count(void) {
+    long value = -1;
+    FILE *f = fopen("/proc/sys/vm/max_map_count", "r");
+    if (f) {
+        if (fscanf(f, "%ld", &value) != 1) value = -1;
+        fclose(f);
+    }
+    return value;
+}
+
+/* Raise OSError (or MapLimitError for ENOMEM, which a MAP_FIXED mmap over our
+ * own reservation returns when the process is out of mapping entries). */
+static PyObject *raise_errno(const char *what, int err) {
+    if (err == ENOMEM) {
+        PyErr_Format(MapLimitError,
+                     "%s failed: %s: the process has likely reached the OS limit of "
+                     "vm.max_map_count=%ld mapping entries (raise it with sysctl, or use "
+                     "larger pages)",
+                     what, strerror(err), max_map_count());
+        return NULL;
+    }
+    PyObject *exc = PyObject_CallFunction(PyExc_OSError, "iN", err,
+                                          PyUnicode_FromFormat("%s failed: %s", what, strerror(err)));
+    if (exc) {
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        Py_DECREF(exc);
+    }
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- Reservation */
+
+typedef struct {
+    PyObject_HEAD
+    char *addr;
+    Py_ssize_t nbytes;
+    int zero_backed;
+} Reservation;
+
+/* Put the reservation's own backing (PROT_NONE, or the zero page) over
+ * [addr, addr+len).  Replacing a mapping in place is one mmap; when the process
+ * is at vm.max_map_count even that is refused, so fall back to unmapping first
+ * (which frees an entry) and mapping the backing into the hole, without
+ * clobbering anything another thread may have put there meanwhile. */
+static int backing(Reservation *r, char *addr, size_t len) {
+    int prot = r->zero_backed ? PROT_READ : PROT_NONE;
+    int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+    if (mmap(addr, len, prot, flags | MAP_FIXED, -1, 0) != MAP_FAILED) return 0;
+    if (errno != ENOMEM || munmap(addr, len) != 0) return errno;
+    void *p = mmap(addr, len, prot, flags | MAP_FIXED_NOREPLACE, -1, 0);
+    if (p == MAP_FAILED) return errno;
+    if (p != addr) { /* a kernel that ignores MAP_FIXED_NOREPLACE */
+        munmap(p, len);
+        return EEXIST;
+    }
+    return 0;
+}
+
+static int Reservation_init(Reservation *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"nbytes", "zero_backed", NULL};
+    Py_ssize_t nbytes;
+    int zero_backed = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n|p", kwlist, &nbytes, &zero_backed)) return -1;
+    if (self->addr) {
+        PyErr_SetString(PyExc_RuntimeError, "Reservation is already initialised");
+        return -1;
+    }
+    if (nbytes <= 0 || nbytes % os_page()) {
+        PyErr_Format(PyExc_ValueError,
+                     "reservation size must be a positive multiple of the OS page size (%ld), got %zd",
+                     os_page(), nbytes);
+        return -1;
+    }
+    int prot = zero_backed ? PROT_READ : PROT_NONE;
+    void *p = mmap(NULL, nbytes, prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) {
+        raise_errno("mmap (reserve)", errno);
+        return -1;
+    }
+    self->addr = p;
+    self->nbytes = nbytes;
+    self->zero_backed = zero_backed;
+    return 0;
+}
+
+static void Reservation_dealloc(Reservation *self) {
+    if (self->addr) munmap(self->addr, self->nbytes);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The buffer protocol keeps the reservation alive for as long as any tensor
+ * made over it, so its addresses are never released under a live view. */
+static int Reservation_getbuffer(Reservation *self, Py_buffer *view, int flags) {
+    if (!self->addr) {
+        PyErr_SetString(PyExc_ValueError, "Reservation is not initialised");
+        return -1;
+    }
+    return PyBuffer_FillInfo(view, (PyObject *)self, self->addr, self->nbytes, 0, flags);
+}
+
+static PyBufferProcs Reservation_as_buffer = {(getbufferproc)Reservation_getbuffer, NULL};
+
+static PyObject *Reservation_get_addr(Reservation *self, void *closure) {
+    return PyLong_FromVoidPtr(self->addr);
+}
+
+static PyGetSetDef Reservation_getset[] = {
+    {"addr", (getter)Reservation_get_addr, NULL, "first address of the range", NULL},
+    {NULL},
+};
+
+static PyMemberDef Reservation_members[] = {
+    {"nbytes", T_PYSSIZET, offsetof(Reservation, nbytes), READONLY, "size in bytes"},
+    {"zero_backed", T_BOOL, offsetof(Reservation, zero_backed), READONLY,
+     "unmapped pages read as zeros instead of faulting"},
+    {NULL},
+};
+
+static PyTypeObject ReservationType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "vattn._native.Reservation",
+    .tp_doc = "Reservation(nbytes, zero_backed=False): a range of virtual addresses.",
+    .tp_basicsize = sizeof(Reservation),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Reservation_init,
+    .tp_dealloc = (destructor)Reservation_dealloc,
+    .tp_as_buffer = &Reservation_as_buffer,
+    .tp_getset = Reservation_getset,
+    .tp_members = Reservation_members,
+};
+
+/* ---------------------------------------------------------------- PhysicalFile */
+
+typedef struct {
+    PyObject_HEAD
+    int fd;
+    Py_ssize_t nbytes;
+} PhysicalFile;
+
+static int PhysicalFile_init(PhysicalFile *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"nbytes", NULL};
+    Py_ssize_t nbytes;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "n", kwlist, &nbytes)) return -1;
+    if (self->nbytes) {
+        PyErr_SetString(PyExc_RuntimeError, "PhysicalFile is already initialised");
+        return -1;
+    }
+    if (nbytes <= 0 || nbytes % os_page()) {
+        PyErr_Format(PyExc_ValueError,
+                     "physical pool size must be a positive multiple of the OS page size (%ld), got %zd",
+                     os_page(), nbytes);
+        return -1;
+    }
+    int fd = memfd_create("vattn-pages", MFD_CLOEXEC);
+    if (fd < 0) {
+        raise_errno("memfd_create", errno);
+        return -1;
+    }
+    if (ftruncate(fd, nbytes) != 0) {
+        int err = errno;
+        close(fd);
+        raise_errno("ftruncate (pool size)", err);
+        return -1;
+    }
+    self->fd = fd;
+    self->nbytes = nbytes;
+    return 0;
+}
+
+static void PhysicalFile_dealloc(PhysicalFile *self) {
+    if (self->nbytes) close(self->fd);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *PhysicalFile_committed(PhysicalFile *self, PyObject *unused) {
+    struct stat st;
+    if (fstat(self->fd, &st) != 0) return raise_errno("fstat", errno);
+    return PyLong_FromLongLong((long long)st.st_blocks * 512);
+}
+
+static PyMemberDef PhysicalFile_members[] = {
+    {"fd", T_INT, offsetof(PhysicalFile, fd), READONLY, "the memfd"},
+    {"nbytes", T_PYSSIZET, offsetof(PhysicalFile, nbytes), READONLY, "size in bytes"},
+    {NULL},
+};
+
+static PyMethodDef PhysicalFile_methods[] = {
+    {"committed", (PyCFunction)PhysicalFile_committed, METH_NOARGS,
+     "Bytes of physical memory the file holds now (pages that were touched)."},
+    {NULL},
+};
+
+static PyTypeObject PhysicalFileType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "vattn._native.PhysicalFile",
+    .tp_doc = "PhysicalFile(nbytes): a memfd holding the physical pages.",
+    .tp_basicsize = sizeof(PhysicalFile),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)PhysicalFile_init,
+    .tp_dealloc = (destructor)PhysicalFile_dealloc,
+    .tp_members = PhysicalFile_members,
+    .tp_methods = PhysicalFile_methods,
+};
+
+/* ---------------------------------------------------------------- batches */
+
+/* Read a sequence of offsets, each aligned to the OS page and with a page of
+ * page_size bytes fitting below limit.  Returns a malloc'ed array or NULL. */
+static int64_t *read_offsets(PyObject *seq, Py_ssize_t *n, Py_ssize_t page_size, Py_ssize_t limit,
+                             const char *what) {
+    PyObject *fast = PySequence_Fast(seq, "offsets must be a sequence of ints");
+    if (!fast) return NULL;
+    *n = PySequence_Fast_GET_SIZE(fast);
+    int64_t *out = PyMem_Malloc(sizeof(int64_t) * (*n ? *n : 1));
+    if (!out) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    long page = os_page();
+    for (Py_ssize_t i = 0; i < *n; i++) {
+        long long v = PyLong_AsLongLong(items[i]);
+        if (v == -1 && PyErr_Occurred()) goto fail;
+        if (v < 0 || v % page || v + page_size > limit) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s offset %lld is not an OS-page-aligned offset with a %zd-byte page "
+                         "inside %zd bytes",
+                         what, v, page_size, limit);
+            goto fail;
+        }
+        out[i] = v;
+    }
+    Py_DECREF(fast);
+    return out;
+fail:
+    Py_DECREF(fast);
+    PyMem_Free(out);
+    return NULL;
+}
+
+static int check_page_size(Py_ssize_t page_size) {
+    if (page_size <= 0 || page_size % os_page()) {
+        PyErr_Format(PyExc_ValueError, "page size must be a positive multiple of the OS page size (%ld), got %zd",
+                     os_page(), page_size);
+        return -1;
+    }
+    return 0;
+}
+
+/* Length of the run starting at i whose pages are contiguous in the
+ * reservation and (when file offsets are given) in the file. */
+static Py_ssize_t run_length(const int64_t *virt, const int64_t *file, Py_ssize_t i, Py_ssize_t n,
+                             Py_ssize_t page_size) {
+    Py_ssize_t j = i + 1;
+    while (j < n && virt[j] == virt[j - 1] + page_size && (!file || file[j] == file[j - 1] + page_size)) j++;
+    return j - i;
+}
+
+static PyObject *map_pages(PyObject *mod, PyObject *args) {
+    Reservation *res;
+    PhysicalFile *file;
+    Py_ssize_t page_size, n, m;
+    PyObject *virt_seq, *file_seq;
+    if (!PyArg_ParseTuple(args, "O!O!nOO", &ReservationType, &res, &PhysicalFileType, &file, &page_size,
+                          &virt_seq, &file_seq))
+        return NULL;
+    if (check_page_size(page_size)) return NULL;
+    int64_t *virt = read_offsets(virt_seq, &n, page_size, res->nbytes, "virtual");
+    if (!virt) return NULL;
+    int64_t *foff = read_offsets(file_seq, &m, page_size, file->nbytes, "physical");
+    if (!foff) {
+        PyMem_Free(virt);
+        return NULL;
+    }
+    if (n != m) {
+        PyMem_Free(virt);
+        PyMem_Free(foff);
+        return PyErr_Format(PyExc_ValueError, "%zd virtual offsets but %zd physical offsets", n, m);
+    }
+    int err = 0, undo_err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t i = 0;
+    while (i < n) {
+        Py_ssize_t run = run_length(virt, foff, i, n, page_size);
+        void *p = mmap(res->addr + virt[i], run * page_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                       file->fd, foff[i]);
+        if (p == MAP_FAILED) {
+            err = errno;
+            break;
+        }
+        i += run;
+    }
+    if (err) /* undo every page mapped before the failure */
+        for (Py_ssize_t k = 0; k < i; k++)
+            if (backing(res, res->addr + virt[k], page_size)) undo_err = errno;
+    Py_END_ALLOW_THREADS
+    PyMem_Free(virt);
+    PyMem_Free(foff);
+    if (undo_err) return PyErr_Format(PyExc_SystemError, "could not undo a failed map: %s", strerror(undo_err));
+    if (err) return raise_errno("mmap (map page)", err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *unmap_pages(PyObject *mod, PyObject *args) {
+    Reservation *res;
+    Py_ssize_t page_size, n;
+    PyObject *virt_seq;
+    if (!PyArg_ParseTuple(args, "O!nO", &ReservationType, &res, &page_size, &virt_seq)) return NULL;
+    if (check_page_size(page_size)) return NULL;
+    int64_t *virt = read_offsets(virt_seq, &n, page_size, res->nbytes, "virtual");
+    if (!virt) return NULL;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n;) {
+        Py_ssize_t run = run_length(virt, NULL, i, n, page_size);
+        if ((err = backing(res, res->addr + virt[i], run * page_size))) break;
+        i += run;
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_Free(virt);
+    if (err) return raise_errno("mmap (unmap page)", err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *punch_pages(PyObject *mod, PyObject *args) {
+    PhysicalFile *file;
+    Py_ssize_t page_size, n;
+    PyObject *seq;
+    if (!PyArg_ParseTuple(args, "O!nO", &PhysicalFileType, &file, &page_size, &seq)) return NULL;
+    if (check_page_size(page_size)) return NULL;
+    int64_t *off = read_offsets(seq, &n, page_size, file->nbytes, "physical");
+    if (!off) return NULL;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n;) {
+        Py_ssize_t run = run_length(off, NULL, i, n, page_size);
+        if (fallocate(file->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off[i], run * page_size)) {
+            err = errno;
+            break;
+        }
+        i += run;
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_Free(off);
+    if (err) return raise_errno("fallocate (punch hole)", err);
+    Py_RETURN_NONE;
+}
+
+static double now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e9 + t.tv_nsec;
+}
+
+/* The baseline for the map benchmark: the same syscalls as map_pages and
+ * unmap_pages, one page each, in a plain C loop.  Returns total ns. */
+static PyObject *raw_map_loop(PyObject *mod, PyObject *args) {
+    Reservation *res;
+    PhysicalFile *file;
+    Py_ssize_t page_size, n, m;
+    PyObject *virt_seq, *file_seq;
+    if (!PyArg_ParseTuple(args, "O!O!nOO", &ReservationType, &res, &PhysicalFileType, &file, &page_size,
+                          &virt_seq, &file_seq))
+        return NULL;
+    if (check_page_size(page_size)) return NULL;
+    int64_t *virt = read_offsets(virt_seq, &n, page_size, res->nbytes, "virtual");
+    if (!virt) return NULL;
+    int64_t *foff = read_offsets(file_seq, &m, page_size, file->nbytes, "physical");
+    if (!foff || n != m) {
+        PyMem_Free(virt);
+        PyMem_Free(foff);
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "offset sequences differ in length");
+        return NULL;
+    }
+    int err = 0;
+    Py_ssize_t mapped = 0;
+    double t0, t1, t2;
+    Py_BEGIN_ALLOW_THREADS
+    t0 = now_ns();
+    for (; mapped < n; mapped++)
+        if (mmap(res->addr + virt[mapped], page_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, file->fd,
+                 foff[mapped]) == MAP_FAILED) {
+            err = errno;
+            break;
+        }
+    t1 = now_ns();
+    for (Py_ssize_t i = 0; i < mapped; i++)
+        if (backing(res, res->addr + virt[i], page_size)) err = errno;
+    t2 = now_ns();
+    Py_END_ALLOW_THREADS
+    PyMem_Free(virt);
+    PyMem_Free(foff);
+    if (err) return raise_errno("mmap (raw loop)", err);
+    return Py_BuildValue("dd", t1 - t0, t2 - t1);
+}
+
+static PyObject *os_page_size(PyObject *mod, PyObject *unused) { return PyLong_FromLong(os_page()); }
+
+static PyMethodDef methods[] = {
+    {"map_pages", map_pages, METH_VARARGS,
+     "map_pages(reservation, file, page_size, virt_offsets, file_offsets): map file pages at the offsets."},
+    {"unmap_pages", unmap_pages, METH_VARARGS,
+     "unmap_pages(reservation, page_size, virt_offsets): put the reservation's backing back."},
+    {"punch_pages", punch_pages, METH_VARARGS,
+     "punch_pages(file, page_size, file_offsets): return the pages' memory to the OS (they read as zeros)."},
+    {"raw_map_loop", raw_map_loop, METH_VARARGS,
+     "raw_map_loop(reservation, file, page_size, virt_offsets, file_offsets) -> (map_ns, unmap_ns)."},
+    {"os_page_size", os_page_size, METH_NOARGS, "The OS page size in bytes."},
+    {NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "vattn._native",
+                                    "Host virtual-memory primitives (mmap + memfd).", -1, methods};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&ReservationType) < 0 || PyType_Ready(&PhysicalFileType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    MapLimitError = PyErr_NewExceptionWithDoc("vattn._native.MapLimitError",
+                                              "The process ran out of virtual memory mapping entries.",
+                                              PyExc_OSError, NULL);
+    if (PyModule_AddObjectRef(m, "MapLimitError", MapLimitError) < 0 ||
+        PyModule_AddObjectRef(m, "Reservation", (PyObject *)&ReservationType) < 0 ||
+        PyModule_AddObjectRef(m, "PhysicalFile", (PyObject *)&PhysicalFileType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

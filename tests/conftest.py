@@ -1,0 +1,49 @@
+import mmap
+
+import pytest
+import torch
+
+from vattn import CacheConfig, VirtualKVCache
+
+# 96 bytes a token per buffer: tokens straddle 4 KiB page boundaries.
+GEOMETRY = dict(num_layers=2, num_kv_heads=3, head_dim=8, dtype=torch.float32)
+
+
+def make_cache(layout="per_layer", max_batch=4, max_seq_len=200, page_size=4096, pages=None, **kw) -> VirtualKVCache:
+    config = CacheConfig(**GEOMETRY, max_batch=max_batch, max_seq_len=max_seq_len, page_size=page_size,
+                         layout=layout, **kw)
+    if pages is not None:
+        config.memory_budget = pages * config.page_group_bytes
+    return VirtualKVCache(config)
+
+
+@pytest.fixture(params=["per_layer", "interleaved"])
+def layout(request):
+    return request.param
+
+
+def fill(cache: VirtualKVCache, slot: int, num_tokens: int, start: int = 0, seed: int = 0):
+    """Write `num_tokens` random tokens at `start` in every layer; returns [(k, v)] per layer."""
+    c = cache.config
+    g = torch.Generator().manual_seed(seed)
+    written = []
+    for layer in range(c.num_layers):
+        k, v = (torch.randn(1, num_tokens, c.num_kv_heads, c.head_dim, generator=g, dtype=c.dtype) for _ in "kv")
+        cache.write(layer, [slot], [start], k, v)
+        written.append((k[0], v[0]))
+    return written
+
+
+def physical_bytes(cache: VirtualKVCache, group: int, buffer: int) -> bytes:
+    """A page's bytes read through a second mapping of the pool's memfd."""
+    size = cache.config.page_size
+    page = buffer * cache.pool.num_pages + group
+    with mmap.mmap(cache._physical.fd, size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page * size) as m:
+        return bytes(m)
+
+
+def state(cache: VirtualKVCache):
+    """Everything a failed call must leave as it was."""
+    return (list(cache.pool.refs), cache.pool.free_pages(), cache.pool.num_shared,
+            [(s.pages[:], s.tokens, s.written[:], s.shared_pages, s.idle_since) for s in cache._slots],
+            cache.map_calls, cache.unmap_calls, sorted(cache._swapped), cache.stats())

@@ -1,0 +1,121 @@
+"""Misuse raises a clear error and leaves the cache exactly as it was."""
+import pytest
+import torch
+
+from vattn import CacheConfig
+from conftest import GEOMETRY, fill, make_cache, state
+
+
+@pytest.fixture
+def cache(layout):
+    cache = make_cache(layout)
+    a = cache.allocate(150)
+    fill(cache, a, 100)
+    b = cache.fork(a, 90)
+    idle = cache.allocate(20)
+    cache.free(idle)
+    cache.swapped = cache.swap_out(cache.allocate(10))
+    cache.a, cache.b, cache.idle = a, b, idle
+    return cache
+
+
+def kv(B=1, T=1, H=3, D=8, dtype=torch.float32, device="cpu"):
+    return torch.zeros(B, T, H, D, dtype=dtype, device=device), torch.zeros(B, T, H, D, dtype=dtype, device=device)
+
+
+MISUSE = {
+    "allocate zero": (lambda c: c.allocate(0), "token count"),
+    "allocate negative": (lambda c: c.allocate(-3), "token count"),
+    "allocate past max_seq_len": (lambda c: c.allocate(201), "max_seq_len=200"),
+    "allocate a float": (lambda c: c.allocate(1.5), "token count"),
+    "allocate a bool": (lambda c: c.allocate(True), "token count"),
+    "grow unknown slot": (lambda c: c.grow(99, 5), "slot 99 does not exist"),
+    "grow negative slot": (lambda c: c.grow(-1, 5), "does not exist"),
+    "grow freed slot": (lambda c: c.grow(c.idle, 5), "not allocated"),
+    "grow past max_seq_len": (lambda c: c.grow(c.a, 500), "max_seq_len"),
+    "grow to zero": (lambda c: c.grow(c.a, 0), "token count"),
+    "grow_many one bad": (lambda c: c.grow_many({c.a: 180, c.idle: 5}), "not allocated"),
+    "free unknown": (lambda c: c.free(7), "does not exist"),
+    "double free": (lambda c: c.free(c.idle), "not allocated"),
+    "share with itself": (lambda c: c.share(c.a, c.a, 10), "itself"),
+    "share more than written": (lambda c: c.share(c.a, c.b, 120), "100 tokens written"),
+    "share into freed slot": (lambda c: c.share(c.a, c.idle, 10), "not allocated"),
+    "fork freed slot": (lambda c: c.fork(c.idle, 10), "not allocated"),
+    "fork more than written": (lambda c: c.fork(c.a, 101), "100 tokens written"),
+    "write wrong dtype": (lambda c: c.write(0, [c.a], [100], *kv(dtype=torch.float16)), "float16"),
+    "write wrong device": (lambda c: c.write(0, [c.a], [100], *kv(device="meta")), "meta"),
+    "write wrong heads": (lambda c: c.write(0, [c.a], [100], *kv(H=4)), "must be \\[1, T>0, 3, 8\\]"),
+    "write wrong rank": (lambda c: c.write(0, [c.a], [100], torch.zeros(1, 3, 8), torch.zeros(1, 3, 8)), "must be"),
+    "write no tokens": (lambda c: c.write(0, [c.a], [100], *kv(T=0)), "T>0"),
+    "write batch mismatch": (lambda c: c.write(0, [c.a, c.b], [100, 90], *kv(B=1)), "must be \\[2"),
+    "write key/value differ": (lambda c: c.write(0, [c.a], [100], kv(T=2)[0], kv(T=1)[1]), "differ|must be"),
+    "write positions mismatch": (lambda c: c.write(0, [c.a], [100, 1], *kv()), "one position per slot"),
+    "write duplicate slots": (lambda c: c.write(0, [c.a, c.a], [100, 100], *kv(B=2)), "slot twice"),
+    "write leaves a gap": (lambda c: c.write(0, [c.a], [101], *kv()), "gap"),
+    "write negative position": (lambda c: c.write(0, [c.a], [-1], *kv()), "gap"),
+    "write past capacity": (lambda c: c.write(0, [c.a], [100], *kv(T=51)), "sized for 150"),
+    "write on a shared page": (lambda c: c.write(1, [c.b], [0], *kv()), "shares with another slot"),
+    "write to freed slot": (lambda c: c.write(0, [c.idle], [0], *kv()), "not allocated"),
+    "write bad layer": (lambda c: c.write(2, [c.a], [100], *kv()), "layer 2 does not exist"),
+    "write one bad slot of two": (lambda c: c.write(0, [c.a, c.idle], [100, 0], *kv(B=2)), "not allocated"),
+    "write not a tensor": (lambda c: c.write(0, [c.a], [100], [[1.0]], [[1.0]]), "must be a tensor"),
+    "live_kv freed slot": (lambda c: c.live_kv(c.idle, 0), "not allocated"),
+    "live_kv bad layer": (lambda c: c.live_kv(c.a, -1), "does not exist"),
+    "layer_kv bad layer": (lambda c: c.layer_kv(5), "does not exist"),
+    "swap out freed slot": (lambda c: c.swap_out(c.idle), "not allocated"),
+    "swap in twice": (lambda c: (c.swap_in(c.swapped), c.swap_in(c.swapped)), "already swapped in"),
+    "swap in from another cache": (lambda c: c.swap_in(swapped_elsewhere()), "not swapped out of this cache"),
+}
+
+
+def swapped_elsewhere():
+    other = make_cache()
+    return other.swap_out(other.allocate(3))
+
+
+@pytest.mark.parametrize("name", MISUSE)
+def test_misuse_raises_and_changes_nothing(cache, name):
+    call, message = MISUSE[name]
+    if name == "swap in twice":  # the first swap_in is legitimate
+        cache.swap_in(cache.swapped)
+        call = lambda c: c.swap_in(c.swapped)  # noqa: E731
+    before = state(cache)
+    with pytest.raises((ValueError, TypeError), match=message):
+        call(cache)
+    assert state(cache) == before
+    cache.check()
+
+
+def test_queries_never_raise(cache):
+    before = state(cache)
+    for n in (0, -1, 201, 1.5, None, "3", True):
+        assert cache.can_allocate(n) is False
+        assert cache.can_grow(cache.a, n) is False
+    for slot in (99, -1, cache.idle, None):
+        assert cache.can_grow(slot, 10) is False
+    assert cache.can_allocate(200) and cache.can_grow(cache.a, 200)
+    assert state(cache) == before
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_layers", 0, "num_layers must be a positive int"),
+    ("head_dim", -8, "head_dim"),
+    ("max_batch", 2.0, "max_batch"),
+    ("max_seq_len", True, "max_seq_len"),
+    ("layout", "paged", "layout must be one of"),
+    ("dtype", "float16", "dtype must be a torch.dtype"),
+    ("memory_budget", 1000, "smaller than one page group"),
+])
+def test_bad_config(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        CacheConfig(**{**GEOMETRY, field: value}, page_size=4096)
+
+
+def test_page_size_must_suit_the_backend():
+    with pytest.raises(ValueError, match="page_size must be a positive multiple of 4096"):
+        make_cache(page_size=6000)
+
+
+def test_cuda_device_without_backend():
+    with pytest.raises(ValueError, match="no VMM backend for device 'cuda'"):
+        make_cache(device="cuda")

@@ -1,0 +1,5 @@
+import sys
+
+from vattn.cli import main
+
+sys.exit(main())

@@ -1,0 +1,16 @@
+"""VMM backends: reserve virtual ranges, own physical pages, map one onto the other."""
+import torch
+
+from vattn.backends.base import Backend
+from vattn.backends.host import HostBackend
+
+
+def get_backend(device: str | torch.device = "cpu") -> Backend:
+    """The backend that manages memory for `device`."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return HostBackend()
+    raise ValueError(f"no VMM backend for device {str(device)!r}: this build supports 'cpu'")
+
+
+__all__ = ["Backend", "HostBackend", "get_backend"]

@@ -1,0 +1,53 @@
+"""Host backend: `mmap` reservations, a `memfd` as the physical pool (native C)."""
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vattn import _native
+from vattn.backends.base import Backend
+
+
+@dataclass(slots=True, frozen=True)
+class HostPool:
+    file: _native.PhysicalFile
+    num_pages: int
+    page_size: int
+
+    @property
+    def fd(self) -> int:
+        return self.file.fd
+
+
+class HostBackend(Backend):
+    name = "host"
+    device = torch.device("cpu")
+    granularity = _native.os_page_size()
+
+    def reserve(self, nbytes: int, zero_backed: bool = False) -> _native.Reservation:
+        return _native.Reservation(nbytes, zero_backed)
+
+    def create_pool(self, num_pages: int, page_size: int) -> HostPool:
+        self.check_page_size(page_size)
+        if num_pages <= 0:
+            raise ValueError(f"a pool needs at least one page, got {num_pages}")
+        return HostPool(_native.PhysicalFile(num_pages * page_size), num_pages, page_size)
+
+    def map(self, reservation, pool: HostPool, offsets: Sequence[int], pages: Sequence[int]) -> None:
+        size = pool.page_size
+        _native.map_pages(reservation, pool.file, size, offsets, [p * size for p in pages])
+
+    def unmap(self, reservation, pool: HostPool, offsets: Sequence[int]) -> None:
+        _native.unmap_pages(reservation, pool.page_size, offsets)
+
+    def release(self, pool: HostPool, pages: Sequence[int]) -> None:
+        size = pool.page_size
+        _native.punch_pages(pool.file, size, [p * size for p in sorted(pages)])
+
+    def committed_bytes(self, pool: HostPool) -> int:
+        return pool.file.committed()
+
+    def tensor(self, reservation, dtype, shape, strides, offset=0) -> torch.Tensor:
+        # frombuffer keeps `reservation` alive as long as the tensor lives.
+        base = torch.frombuffer(reservation, dtype=torch.uint8).view(dtype)
+        return base.as_strided(shape, strides, offset)

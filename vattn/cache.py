@@ -1,0 +1,505 @@
+"""The virtual KV cache.
+
+Every buffer (one per layer and K/V, or one in all with the interleaved layout)
+is reserved up front for `max_batch` slots of `max_seq_len` tokens.  A slot is
+one request's region; page j of a slot in every buffer is one *page group*,
+the unit the page pool counts and the cache maps.  A slot's state is "page
+groups 0..n-1 mapped".
+
+Deferred reclamation: a freed slot goes idle with its pages still mapped; the
+next request takes the idle slot that best fits it, and idle pages are
+unmapped only when memory is short (or on `trim`).  Idle slots hold private
+pages only, so every idle page is reclaimable.
+
+Sharing maps a page group into several slots (counted in the page pool).  Only
+pages wholly inside the shared prefix are shared; the partly filled tail page
+is copied, and writes are refused on shared pages, so no slot ever changes
+another's tokens.
+
+The whole reservation is zero-backed: an address with no page reads as zeros,
+so kernels that read the whole-buffer views past a slot's length cannot fault.
+"""
+import itertools
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from vattn.backends import Backend, get_backend
+from vattn.config import CacheConfig
+from vattn.page_pool import PagePool
+
+
+@dataclass(slots=True)
+class _Slot:
+    written: list[int]  # tokens written, per layer
+    pages: list[int] = field(default_factory=list)  # page group mapped at page j
+    tokens: int = 0  # tokens the slot is sized for; 0 while idle
+    shared_pages: int = 0  # pages[:shared_pages] may be shared; later pages are private
+    idle_since: int = 0
+
+    @property
+    def active(self) -> bool:
+        return self.tokens > 0
+
+
+@dataclass(slots=True, frozen=True)
+class SwappedSlot:
+    """A slot's live bytes in host memory, from `swap_out`, for `swap_in`."""
+
+    key: int
+    data: torch.Tensor  # uint8 [num_buffers, live bytes]
+    tokens: int
+    written: tuple[int, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class CacheStats:
+    pages_total: int  # physical pages in the budget
+    pages_free: int
+    pages_mapped: int  # in use by at least one slot, active or idle
+    pages_idle: int  # held only by idle slots: reclaimable
+    pages_shared: int  # mapped into more than one slot
+    mapped_bytes: int
+    live_bytes: int  # bytes of tokens written, each shared byte counted once
+    utilization: float  # live / mapped
+    committed_bytes: int  # physical memory the backend holds (pages touched)
+    active_slots: int
+    map_calls: int
+    unmap_calls: int
+
+
+class VirtualKVCache:
+    def __init__(self, config: CacheConfig, backend: Backend | None = None):
+        self.config = c = config
+        self.backend = backend or get_backend(c.device)
+        self.backend.check_page_size(c.page_size)
+        self.device = self.backend.device
+        self._buffer_bytes = c.max_batch * c.slot_bytes
+        self._reservation = self.backend.reserve(c.num_buffers * self._buffer_bytes, zero_backed=True)
+        self.pool = PagePool(c.num_page_groups)
+        self._physical = self.backend.create_pool(self.pool.num_pages * c.num_buffers, c.page_size)
+        self._slots = [_Slot([0] * c.num_layers) for _ in range(c.max_batch)]
+        self._clock = itertools.count(1)
+        self._swapped: dict[int, SwappedSlot] = {}
+        self.map_calls = self.unmap_calls = 0
+        self._bytes = self.backend.tensor(self._reservation, torch.uint8,
+                                          (c.num_buffers, c.max_batch, c.slot_bytes),
+                                          (self._buffer_bytes, c.slot_bytes, 1))
+        self._k = [self._kernel_view(2 * layer) for layer in range(c.num_layers)]
+        self._v = [self._kernel_view(2 * layer + 1) for layer in range(c.num_layers)]
+
+    def _kernel_view(self, component: int) -> torch.Tensor:
+        """`[max_batch, max_seq_len, H, D]` over K (even) or V (odd) of a layer."""
+        c = self.config
+        size = c.dtype.itemsize
+        H, D = c.num_kv_heads, c.head_dim
+        stride = self._buffer_bytes // size if c.layout == "per_layer" else H * D
+        return self.backend.tensor(self._reservation, c.dtype, (c.max_batch, c.max_seq_len, H, D),
+                                   (c.slot_bytes // size, c.token_bytes // size, D, 1), component * stride)
+
+    # ------------------------------------------------------------ slots
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        """Whether `allocate(num_tokens)` would succeed; never raises."""
+        return _valid_tokens(num_tokens, self.config.max_seq_len) and self._plan_allocation(num_tokens) is not None
+
+    def allocate(self, num_tokens: int) -> int | None:
+        """A slot sized for `num_tokens`, or None when no slot or memory is left.
+
+        Takes the idle slot whose mapped pages best fit the request, so a slot
+        that already covers it needs no map call; reclaims other idle slots'
+        pages if memory is short.
+        """
+        self._check_tokens(num_tokens)
+        plan = self._plan_allocation(num_tokens)
+        if plan is None:
+            return None
+        slot, missing = plan
+        self._make_room(missing, exclude=slot)
+        self._extend({slot: missing})
+        s = self._slots[slot]
+        s.tokens = num_tokens
+        return slot
+
+    def _plan_allocation(self, num_tokens: int) -> tuple[int, int] | None:
+        need = self.config.pages_for(num_tokens)
+        idle = [i for i, s in enumerate(self._slots) if not s.active]
+        if not idle:
+            return None
+        covering = [i for i in idle if len(self._slots[i].pages) >= need]
+        if covering:
+            return min(covering, key=lambda i: len(self._slots[i].pages)), 0
+        slot = max(idle, key=lambda i: len(self._slots[i].pages))
+        missing = need - len(self._slots[slot].pages)
+        return (slot, missing) if self._has_room(missing, exclude=slot) else None
+
+    def can_grow(self, slot: int, num_tokens: int) -> bool:
+        """Whether `grow(slot, num_tokens)` would succeed; never raises."""
+        try:
+            growth = self._growth({slot: num_tokens})
+        except ValueError:
+            return False
+        return self._has_room(sum(growth.values()))
+
+    def grow(self, slot: int, num_tokens: int) -> bool:
+        """Size `slot` for `num_tokens` (mapping what is missing); False if memory is short."""
+        return self.grow_many({slot: num_tokens})
+
+    def grow_many(self, targets: Mapping[int, int]) -> bool:
+        """Grow several slots with one batched map call; all or nothing."""
+        growth = self._growth(targets)
+        needed = sum(growth.values())
+        if needed:
+            if not self._has_room(needed):
+                return False
+            self._make_room(needed)
+            self._extend(growth)
+        for slot, num_tokens in targets.items():
+            s = self._slots[slot]
+            s.tokens = max(s.tokens, num_tokens)
+        return True
+
+    def _growth(self, targets: Mapping[int, int]) -> dict[int, int]:
+        growth = {}
+        for slot, num_tokens in targets.items():
+            s = self._active(slot)
+            self._check_tokens(num_tokens)
+            growth[slot] = max(0, self.config.pages_for(num_tokens) - len(s.pages))
+        return growth
+
+    def free(self, slot: int) -> None:
+        """Finish the slot's request.  Its private pages stay mapped (the slot
+        goes idle); pages it shares with other slots are let go."""
+        s = self._active(slot)
+        shared = [j for j in range(s.shared_pages) if self.pool.refs[s.pages[j]] > 1]
+        self._truncate(slot, shared[0] if shared else len(s.pages))
+        self._make_idle(s)
+
+    def trim(self) -> int:
+        """Reclaim every idle page; returns the physical pages given back."""
+        idle = sum(len(s.pages) for s in self._slots if not s.active)
+        return self._reclaim(idle) * self.config.num_buffers
+
+    # ------------------------------------------------------------ sharing
+
+    def share(self, src: int, dst: int, num_tokens: int) -> bool:
+        """Make `dst` a slot of `num_tokens` tokens equal to the first
+        `num_tokens` of `src`: full pages are mapped into `dst` (shared), the
+        partly filled tail page is copied into a private page, and `dst`'s
+        other pages are let go.  False (nothing changed) if memory is short."""
+        a, b = self._active(src), self._active(dst)
+        if src == dst:
+            raise ValueError(f"cannot share slot {src} with itself")
+        self._check_tokens(num_tokens)
+        written = min(a.written)
+        if num_tokens > written:
+            raise ValueError(f"slot {src} has {written} tokens written in every layer; cannot share {num_tokens}")
+        full, tail = divmod(num_tokens * self.config.token_bytes, self.config.page_size)
+        same = min(full, len(b.pages))
+        k = next((j for j in range(same) if b.pages[j] != a.pages[j]), same)  # dst already holds a.pages[:k]
+        keep_tail = bool(tail) and k == full < len(b.pages) and full >= self._shared_prefix(b)
+        fresh_needed = int(bool(tail) and not keep_tail)
+        if not self._has_room(fresh_needed):
+            return False
+        self._make_room(fresh_needed)
+        fresh = self.pool.allocate(fresh_needed)
+        self._truncate(dst, full + 1 if keep_tail else k)
+        try:
+            self._map([(dst, j) for j in range(k, full + fresh_needed)], a.pages[k:full] + fresh)
+        except BaseException:
+            self.pool.release(fresh)
+            raise
+        self.pool.retain(a.pages[k:full])
+        b.pages += a.pages[k:full] + fresh
+        start = full * self.config.page_size
+        self._bytes[:, dst, start:start + tail].copy_(self._bytes[:, src, start:start + tail])
+        b.tokens = num_tokens
+        b.written = [num_tokens] * self.config.num_layers
+        b.shared_pages = full
+        a.shared_pages = max(a.shared_pages, full)
+        return True
+
+    def fork(self, src: int, num_tokens: int) -> int | None:
+        """A new slot whose first `num_tokens` share `src`'s pages, or None."""
+        self._active(src)
+        self._check_tokens(num_tokens)
+        idle = [i for i, s in enumerate(self._slots) if not s.active]
+        if not idle:
+            return None
+        dst = min(idle, key=lambda i: len(self._slots[i].pages))
+        d = self._slots[dst]
+        d.tokens, idle_since = num_tokens, d.idle_since
+        shared = False
+        try:
+            shared = self.share(src, dst, num_tokens)
+        finally:
+            if not shared:
+                d.tokens, d.idle_since = 0, idle_since
+        return dst if shared else None
+
+    # ------------------------------------------------------------ swap
+
+    def swap_out(self, slot: int) -> SwappedSlot:
+        """Copy the slot's live bytes to host memory and give its pages back."""
+        s = self._active(slot)
+        live = max(s.written) * self.config.token_bytes
+        data = self._bytes[:, slot, :live].to("cpu", copy=True)
+        swapped = SwappedSlot(next(self._clock), data, s.tokens, tuple(s.written))
+        self._truncate(slot, 0)
+        self._make_idle(s)
+        self._swapped[swapped.key] = swapped
+        return swapped
+
+    def swap_in(self, swapped: SwappedSlot) -> int | None:
+        """Restore a swapped-out slot (byte-exact) into a slot, or None if it does not fit."""
+        if self._swapped.get(swapped.key) is not swapped:
+            raise ValueError("this SwappedSlot was not swapped out of this cache, or was already swapped in")
+        slot = self.allocate(swapped.tokens)
+        if slot is None:
+            return None
+        self._bytes[:, slot, :swapped.data.shape[1]].copy_(swapped.data)
+        self._slots[slot].written = list(swapped.written)
+        del self._swapped[swapped.key]
+        return slot
+
+    # ------------------------------------------------------------ data
+
+    def write(self, layer: int, slots: Sequence[int], positions: Sequence[int],
+              key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store `key`/`value` `[B, T, H, D]` for `slots[i]` at tokens
+        `positions[i] .. positions[i]+T-1` of `layer`.  A write may overwrite or
+        extend what the slot holds, not leave a gap."""
+        c = self.config
+        self._check_layer(layer)
+        slots, positions = list(slots), list(positions)
+        B = len(slots)
+        if B == 0 or len(positions) != B:
+            raise ValueError(f"write needs one position per slot, got {B} slots and {len(positions)} positions")
+        if len(set(slots)) != B:
+            raise ValueError(f"write got a slot twice: {slots}")
+        for name, t in (("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+            if t.dtype != c.dtype or t.device != self.device:
+                raise ValueError(f"{name} is {t.dtype} on {t.device}; the cache holds {c.dtype} on {self.device}")
+            if t.dim() != 4 or t.shape[0] != B or t.shape[1] == 0 or tuple(t.shape[2:]) != (c.num_kv_heads, c.head_dim):
+                raise ValueError(f"{name} must be [{B}, T>0, {c.num_kv_heads}, {c.head_dim}], got {list(t.shape)}")
+        if key.shape != value.shape:
+            raise ValueError(f"key {list(key.shape)} and value {list(value.shape)} differ in shape")
+        T = key.shape[1]
+        for slot, pos in zip(slots, positions):
+            s = self._active(slot)
+            if not isinstance(pos, int) or not 0 <= pos <= s.written[layer]:
+                raise ValueError(f"position {pos!r} for slot {slot} layer {layer} must be in "
+                                 f"[0, {s.written[layer]}] (writes may not leave a gap)")
+            if pos + T > s.tokens:
+                raise ValueError(f"slot {slot} is sized for {s.tokens} tokens; writing {T} at {pos} "
+                                 f"needs {pos + T}: grow it first")
+            if pos * c.token_bytes // c.page_size < self._shared_prefix(s):
+                raise ValueError(f"writing at token {pos} of slot {slot} would change a page it shares "
+                                 f"with another slot")
+        device = self._k[layer].device
+        rows = torch.tensor(slots, device=device).unsqueeze(1).expand(B, T)
+        cols = torch.tensor(positions, device=device).unsqueeze(1) + torch.arange(T, device=device)
+        self._k[layer].index_put_((rows, cols), key)
+        self._v[layer].index_put_((rows, cols), value)
+        for slot, pos in zip(slots, positions):
+            written = self._slots[slot].written
+            written[layer] = max(written[layer], pos + T)
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole-buffer K and V of `layer`, `[max_batch, max_seq_len, H, D]`,
+        for kernels that read each slot only up to its length (`lengths`)."""
+        self._check_layer(layer)
+        return self._k[layer], self._v[layer]
+
+    def live_kv(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views `[written, H, D]` of the tokens the slot has written in `layer`."""
+        s = self._active(slot)
+        self._check_layer(layer)
+        n = s.written[layer]
+        return self._k[layer][slot, :n], self._v[layer][slot, :n]
+
+    def length(self, slot: int) -> int:
+        """Tokens written in every layer."""
+        return min(self._active(slot).written)
+
+    def capacity(self, slot: int) -> int:
+        """Tokens the slot is sized for."""
+        return self._active(slot).tokens
+
+    def mapped_pages(self, slot: int) -> int:
+        """Page groups mapped into the slot (it may be active or idle)."""
+        self._check_slot(slot)
+        return len(self._slots[slot].pages)
+
+    @property
+    def active_slots(self) -> list[int]:
+        return [i for i, s in enumerate(self._slots) if s.active]
+
+    # ------------------------------------------------------------ stats
+
+    def stats(self) -> CacheStats:
+        c = self.config
+        n = c.num_buffers
+        live: dict[int, int] = {}  # page group -> live bytes in it, per buffer
+        for s in self._slots:
+            nbytes = max(s.written) * c.token_bytes
+            for j, group in enumerate(s.pages[:c.pages_for(max(s.written))]):
+                live[group] = max(live.get(group, 0), min(c.page_size, nbytes - j * c.page_size))
+        mapped = self.pool.num_used * n * c.page_size
+        live_bytes = sum(live.values()) * n
+        return CacheStats(
+            pages_total=self.pool.num_pages * n,
+            pages_free=self.pool.num_free * n,
+            pages_mapped=self.pool.num_used * n,
+            pages_idle=sum(len(s.pages) for s in self._slots if not s.active) * n,
+            pages_shared=self.pool.num_shared * n,
+            mapped_bytes=mapped,
+            live_bytes=live_bytes,
+            utilization=live_bytes / mapped if mapped else 0.0,
+            committed_bytes=self.backend.committed_bytes(self._physical),
+            active_slots=len(self.active_slots),
+            map_calls=self.map_calls,
+            unmap_calls=self.unmap_calls,
+        )
+
+    def check(self) -> None:
+        """Assert the bookkeeping is consistent: each page's reference count
+        equals the slots that map it, free pages are mapped nowhere, idle slots
+        hold only private pages, and active slots cover their size."""
+        c = self.config
+        mapped = Counter(g for s in self._slots for g in s.pages)
+        free = self.pool.free_pages()
+        assert len(set(free)) == len(free), "a page is on the free list twice"
+        assert set(free).isdisjoint(mapped), "a free page is mapped"
+        assert len(free) + len(mapped) == self.pool.num_pages, "a page is neither free nor mapped"
+        for g, count in mapped.items():
+            assert self.pool.refs[g] == count, f"page {g}: {self.pool.refs[g]} references, {count} mappings"
+        for i, s in enumerate(self._slots):
+            if s.active:
+                assert len(s.pages) >= c.pages_for(s.tokens), f"slot {i} does not cover its {s.tokens} tokens"
+                assert max(s.written) <= s.tokens, f"slot {i} has tokens written past its size"
+            else:
+                assert not any(s.written), f"idle slot {i} has tokens written"
+                assert all(self.pool.refs[g] == 1 for g in s.pages), f"idle slot {i} holds a shared page"
+
+    # ------------------------------------------------------------ pages
+
+    def _has_room(self, groups: int, exclude: int | None = None) -> bool:
+        idle = sum(len(s.pages) for i, s in enumerate(self._slots) if not s.active and i != exclude)
+        return groups <= self.pool.num_free + idle
+
+    def _make_room(self, groups: int, exclude: int | None = None) -> None:
+        """Reclaim idle pages until `groups` are free (the caller checked `_has_room`)."""
+        deficit = groups - self.pool.num_free
+        if deficit > 0:
+            self._reclaim(deficit, exclude)
+
+    def _reclaim(self, groups: int, exclude: int | None = None) -> int:
+        """Unmap up to `groups` idle page groups, least recently idle slots
+        first, each from its tail.  Returns the groups freed."""
+        idle = sorted((s.idle_since, i) for i, s in enumerate(self._slots)
+                      if not s.active and s.pages and i != exclude)
+        cuts = {}
+        for _, i in idle:
+            if groups <= 0:
+                break
+            n = len(self._slots[i].pages)
+            cuts[i] = max(0, n - groups)
+            groups -= n - cuts[i]
+        drops = [(i, j) for i, keep in cuts.items() for j in range(keep, len(self._slots[i].pages))]
+        freed = self._drop(drops)
+        for i, keep in cuts.items():
+            del self._slots[i].pages[keep:]
+        return freed
+
+    def _extend(self, growth: Mapping[int, int]) -> None:
+        """Map `growth[slot]` fresh page groups after each slot's last page."""
+        groups = self.pool.allocate(sum(growth.values()))
+        assert groups is not None, "room was checked"
+        if not groups:
+            return
+        entries = [(i, j) for i, n in growth.items()
+                   for j in range(len(self._slots[i].pages), len(self._slots[i].pages) + n)]
+        try:
+            self._map(entries, groups)
+        except BaseException:
+            self.pool.release(groups)
+            raise
+        for (i, _), group in zip(entries, groups):
+            self._slots[i].pages.append(group)
+
+    def _truncate(self, slot: int, keep: int) -> None:
+        s = self._slots[slot]
+        self._drop([(slot, j) for j in range(keep, len(s.pages))])
+        del s.pages[keep:]
+
+    def _drop(self, entries: list[tuple[int, int]]) -> int:
+        """Unmap (slot, page index) entries and drop their references; pages
+        no slot maps any more give their memory back.  Returns groups freed."""
+        if not entries:
+            return 0
+        groups = [self._slots[i].pages[j] for i, j in entries]
+        self.backend.unmap(self._reservation, self._physical, self._offsets(entries))
+        self.unmap_calls += 1
+        freed = self.pool.release(groups)
+        if freed:
+            self.backend.release(self._physical, self._physical_pages(freed))
+        return len(freed)
+
+    def _map(self, entries: list[tuple[int, int]], groups: list[int]) -> None:
+        if entries:
+            self.backend.map(self._reservation, self._physical, self._offsets(entries), self._physical_pages(groups))
+            self.map_calls += 1
+
+    def _offsets(self, entries: list[tuple[int, int]]) -> list[int]:
+        """Byte offsets of (slot, page index) in every buffer, buffer-major."""
+        c = self.config
+        slot_pages = [i * c.slot_bytes + j * c.page_size for i, j in entries]
+        return [b * self._buffer_bytes + o for b in range(c.num_buffers) for o in slot_pages]
+
+    def _physical_pages(self, groups: list[int]) -> list[int]:
+        """Physical pages of page groups, buffer-major: group g of buffer b is
+        page b·G + g, so consecutive groups are consecutive pages per buffer."""
+        G = self.pool.num_pages
+        return [b * G + g for b in range(self.config.num_buffers) for g in groups]
+
+    def _shared_prefix(self, s: _Slot) -> int:
+        """Pages before this index may be shared; from it on all are private."""
+        while s.shared_pages and self.pool.refs[s.pages[s.shared_pages - 1]] == 1:
+            s.shared_pages -= 1
+        return s.shared_pages
+
+    def _make_idle(self, s: _Slot) -> None:
+        s.tokens = s.shared_pages = 0
+        s.written = [0] * self.config.num_layers
+        s.idle_since = next(self._clock)
+
+    # ------------------------------------------------------------ checks
+
+    def _check_slot(self, slot: int) -> None:
+        if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self.config.max_batch:
+            raise ValueError(f"slot {slot!r} does not exist (max_batch={self.config.max_batch})")
+
+    def _active(self, slot: int) -> _Slot:
+        self._check_slot(slot)
+        s = self._slots[slot]
+        if not s.active:
+            raise ValueError(f"slot {slot} is not allocated (it is free or was freed)")
+        return s
+
+    def _check_tokens(self, num_tokens: int) -> None:
+        if not _valid_tokens(num_tokens, self.config.max_seq_len):
+            raise ValueError(f"token count must be an int in [1, max_seq_len={self.config.max_seq_len}], "
+                             f"got {num_tokens!r}")
+
+    def _check_layer(self, layer: int) -> None:
+        if not isinstance(layer, int) or not 0 <= layer < self.config.num_layers:
+            raise ValueError(f"layer {layer!r} does not exist (num_layers={self.config.num_layers})")
+
+
+def _valid_tokens(n, max_seq_len: int) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= max_seq_len

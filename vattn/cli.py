@@ -1,0 +1,59 @@
+"""The `vattn` command."""
+import argparse
+import os
+import platform
+import sys
+
+
+def info(args) -> None:
+    import torch
+
+    import vattn
+    from vattn.backends import get_backend
+    from vattn.bench.report import print_table
+    from vattn.config import CacheConfig
+
+    backend = get_backend("cpu")
+    with open("/proc/sys/vm/max_map_count") as f:
+        max_maps = int(f.read())
+    with open("/proc/self/maps") as f:
+        maps_now = sum(1 for _ in f)
+    default_page = CacheConfig.__dataclass_fields__["page_size"].default
+    print_table("vattn", ["", "value"], [
+        ["vattn", vattn.__version__],
+        ["backend", f"{backend.name} (mmap + memfd)"],
+        ["OS page size / granularity", f"{backend.granularity} B"],
+        ["default page size", f"{default_page // (1 << 20)} MiB"],
+        ["vm.max_map_count", max_maps],
+        ["mappings in this process", maps_now],
+        ["torch", torch.__version__],
+        ["CUDA available to torch", torch.cuda.is_available()],
+        ["python", platform.python_version()],
+        ["CPUs", os.cpu_count()],
+    ])
+
+
+def bench(args) -> None:
+    if args.what == "vmm":
+        from vattn.bench import vmm
+
+        vmm.run(args.json, repeats=args.repeats, steps=args.steps)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vattn", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("info", help="backend, page size, VMM limits, versions").set_defaults(func=info)
+    p = commands.add_parser("bench", help="benchmarks")
+    p.add_argument("what", choices=["vmm"])
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    p.add_argument("--repeats", type=int, default=15, help="runs per measurement (median reported)")
+    p.add_argument("--steps", type=int, default=512, help="decode steps to time")
+    p.set_defaults(func=bench)
+    args = parser.parse_args(argv)
+    args.func(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Cache geometry and the arithmetic between tokens, bytes and pages."""
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+MiB = 1 << 20
+LAYOUTS = ("per_layer", "interleaved")
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """Geometry of a virtual KV cache.
+
+    `layout="per_layer"` keeps 2·L buffers `[max_batch, max_seq_len, H, D]`
+    (vAttention's default); `"interleaved"` keeps one buffer
+    `[max_batch, max_seq_len, L, 2, H, D]`, so a page holds every layer's K and
+    V of a few tokens and large pages still give fine granularity.
+    `memory_budget` is the physical KV memory in bytes (default: enough for
+    every slot at `max_seq_len`).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.float16
+    max_batch: int = 8
+    max_seq_len: int = 2048
+    page_size: int = 2 * MiB
+    layout: Literal["per_layer", "interleaved"] = "per_layer"
+    memory_budget: int | None = None
+    device: str = "cpu"
+
+    def __post_init__(self):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch", "max_seq_len", "page_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"CacheConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"CacheConfig.dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"CacheConfig.layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.memory_budget is not None and self.memory_budget < self.page_group_bytes:
+            raise ValueError(f"CacheConfig.memory_budget={self.memory_budget} is smaller than one page group "
+                             f"({self.page_group_bytes} bytes: one {self.page_size}-byte page in each of "
+                             f"{self.num_buffers} buffers)")
+
+    @property
+    def num_buffers(self) -> int:
+        return 2 * self.num_layers if self.layout == "per_layer" else 1
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token takes in one buffer."""
+        per_head = self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return per_head if self.layout == "per_layer" else per_head * 2 * self.num_layers
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token takes across all layers."""
+        return self.token_bytes * self.num_buffers
+
+    @property
+    def page_group_bytes(self) -> int:
+        """A page group: page j of a slot in every buffer, mapped together."""
+        return self.page_size * self.num_buffers
+
+    @property
+    def pages_per_slot(self) -> int:
+        return self.pages_for(self.max_seq_len)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.pages_per_slot * self.page_size
+
+    @property
+    def num_page_groups(self) -> int:
+        """Page groups the memory budget buys."""
+        if self.memory_budget is None:
+            return self.max_batch * self.pages_per_slot
+        return self.memory_budget // self.page_group_bytes
+
+    def pages_for(self, tokens: int) -> int:
+        """Pages (per buffer) that hold `tokens` tokens."""
+        return -(-tokens * self.token_bytes // self.page_size)

@@ -1,0 +1,63 @@
+"""The budget of physical pages: a free list, reference counts and counters.
+
+Knows nothing about addresses.  The lowest free page is handed out first, so
+pages taken together are usually consecutive, which lets the backend map them
+with one call (and the host kernel merge them into one mapping entry).
+"""
+import heapq
+from collections import Counter
+
+
+class PagePool:
+    def __init__(self, num_pages: int):
+        if num_pages <= 0:
+            raise ValueError(f"a page pool needs at least one page, got {num_pages}")
+        self.num_pages = num_pages
+        self.refs = [0] * num_pages
+        self._free = list(range(num_pages))
+        self.num_shared = 0  # pages with more than one reference
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def free_pages(self) -> list[int]:
+        return sorted(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """`n` pages with one reference each, or None (and nothing taken)."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > len(self._free):
+            return None
+        pages = [heapq.heappop(self._free) for _ in range(n)]
+        for p in pages:
+            self.refs[p] = 1
+        return pages
+
+    def retain(self, pages: list[int]) -> None:
+        """Add a reference to pages already in use (sharing)."""
+        for p in pages:
+            if self.refs[p] <= 0:
+                raise ValueError(f"page {p} is free: only a page in use can be shared")
+        for p in pages:
+            self.refs[p] += 1
+            self.num_shared += self.refs[p] == 2
+
+    def release(self, pages: list[int]) -> list[int]:
+        """Drop a reference from each page; returns the pages that became free."""
+        for p, n in Counter(pages).items():
+            if self.refs[p] < n:
+                raise ValueError(f"page {p} has {self.refs[p]} references, cannot drop {n}")
+        freed = []
+        for p in pages:
+            self.refs[p] -= 1
+            self.num_shared -= self.refs[p] == 1
+            if self.refs[p] == 0:
+                heapq.heappush(self._free, p)
+                freed.append(p)
+        return freed
