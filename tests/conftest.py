@@ -34,12 +34,12 @@ def fill(cache: VirtualKVCache, slot: int, num_tokens: int, start: int = 0, seed
     return written
 
 
-def physical_bytes(cache: VirtualKVCache, group: int, buffer: int) -> bytes:
+def physical_bytes(cache: VirtualKVCache, group: int, buffer: int) -> torch.Tensor:
     """A page's bytes read through a second mapping of the pool's memfd."""
     size = cache.config.page_size
     page = buffer * cache.pool.num_pages + group
     with mmap.mmap(cache._physical.fd, size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page * size) as m:
-        return bytes(m)
+        return torch.frombuffer(bytearray(m), dtype=torch.uint8)
 
 
 def state(cache: VirtualKVCache):

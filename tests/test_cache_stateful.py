@@ -148,7 +148,7 @@ class CacheMachine(RuleBasedStateMachine):
             pages = self.cache._slots[slot].pages
             for buffer in (0, self.c.num_buffers - 1):
                 view = self.cache._bytes[buffer, slot, :size]
-                assert bytes(view.numpy()) == physical_bytes(self.cache, pages[0], buffer)
+                assert torch.equal(view, physical_bytes(self.cache, pages[0], buffer))
 
 
 class InterleavedMachine(CacheMachine):
