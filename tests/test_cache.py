@@ -296,3 +296,42 @@ def test_reshare_a_shorter_prefix_keeps_writes_private(layout):
     for layer, (k, v) in enumerate(data):
         assert torch.equal(cache.live_kv(a, layer)[0], k) and torch.equal(cache.live_kv(a, layer)[1], v)
     cache.check()
+
+
+def test_slots_trade_contents(layout):
+    """share_many reads every source as it was before the call, as a beam reorder needs."""
+    cache = make_cache(layout)
+    slots = [cache.allocate(150) for _ in range(3)]
+    data = [fill(cache, s, 150, seed=i) for i, s in enumerate(slots)]
+    n = 140
+    assert cache.share_many({slots[0]: slots[1], slots[1]: slots[0], slots[2]: slots[0]}, n)
+    for dst, src in ((0, 1), (1, 0), (2, 0)):
+        for layer in range(2):
+            k, v = cache.live_kv(slots[dst], layer)
+            assert torch.equal(k, data[src][layer][0][:n]) and torch.equal(v, data[src][layer][1][:n])
+    c = cache.config
+    # slot 0's old full pages are in slots 1 and 2; slot 1's moved to slot 0 alone
+    assert cache.stats().pages_shared == (n * c.token_bytes // c.page_size) * c.num_buffers
+    cache.check()
+
+
+def test_truncate_makes_the_new_tail_private(layout):
+    cache = make_cache(layout)
+    a = cache.allocate(200)
+    data = fill(cache, a, 200)
+    b = cache.fork(a, 200)
+    n = 50
+    assert cache.truncate(b, n) and cache.length(b) == n and cache.grow(b, n + 20)
+    fill(cache, b, 20, start=n, seed=4)  # lands on b's own pages
+    assert torch.equal(cache.live_kv(a, 0)[0], data[0][0])
+    assert torch.equal(cache.live_kv(b, 1)[1][:n], data[1][1][:n])
+    cache.check()
+
+
+def test_allocate_and_fork_a_given_slot(layout):
+    cache = make_cache(layout)
+    assert cache.allocate(10, slot=2) == 2
+    fill(cache, 2, 10)
+    assert cache.fork(2, 10, slot=0) == 0
+    assert torch.equal(cache.live_kv(0, 1)[0], cache.live_kv(2, 1)[0])
+    assert cache.can_allocate(5, slot=1) and not cache.can_allocate(5, slot=2)

@@ -95,6 +95,21 @@ class CacheMachine(RuleBasedStateMachine):
         self.model[dst] = [(k[:n].clone(), v[:n].clone()) for k, v in self.model[src]]
 
     @rule(data=st.data())
+    def trade(self, data):
+        """Several slots take each other's prefixes at once, like beams."""
+        if len(self.model) < 2:
+            return
+        dsts = data.draw(st.lists(st.sampled_from(sorted(self.model)), min_size=1, max_size=3, unique=True))
+        srcs = [data.draw(st.sampled_from(sorted(self.model))) for _ in dsts]
+        n = min(self.model[s][0][0].shape[0] for s in srcs)
+        if n == 0:
+            return
+        if self.cache.share_many(dict(zip(dsts, srcs)), n):
+            event("share_many")
+            moved = {d: [(k[:n].clone(), v[:n].clone()) for k, v in self.model[s]] for d, s in zip(dsts, srcs)}
+            self.model.update(moved)
+
+    @rule(data=st.data())
     def free(self, data):
         slot = self.active(data)
         if slot is None:

@@ -101,39 +101,45 @@ class VirtualKVCache:
 
     # ------------------------------------------------------------ slots
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        """Whether `allocate(num_tokens)` would succeed; never raises."""
-        return _valid_tokens(num_tokens, self.config.max_seq_len) and self._plan_allocation(num_tokens) is not None
+    def can_allocate(self, num_tokens: int, slot: int | None = None) -> bool:
+        """Whether `allocate(num_tokens, slot)` would succeed; never raises."""
+        try:
+            return self._plan_allocation(num_tokens, slot) is not None
+        except ValueError:
+            return False
 
-    def allocate(self, num_tokens: int) -> int | None:
+    def allocate(self, num_tokens: int, slot: int | None = None) -> int | None:
         """A slot sized for `num_tokens`, or None when no slot or memory is left.
 
-        Takes the idle slot whose mapped pages best fit the request, so a slot
-        that already covers it needs no map call; reclaims other idle slots'
-        pages if memory is short.
+        Takes the idle slot whose mapped pages best fit the request (or the
+        idle `slot` asked for), so a slot that already covers it needs no map
+        call; reclaims other idle slots' pages if memory is short.
         """
-        self._check_tokens(num_tokens)
-        plan = self._plan_allocation(num_tokens)
+        plan = self._plan_allocation(num_tokens, slot)
         if plan is None:
             return None
         slot, missing = plan
         self._make_room(missing, exclude=slot)
         self._extend({slot: missing})
-        s = self._slots[slot]
-        s.tokens = num_tokens
+        self._slots[slot].tokens = num_tokens
         return slot
 
-    def _plan_allocation(self, num_tokens: int) -> tuple[int, int] | None:
+    def _plan_allocation(self, num_tokens: int, slot: int | None) -> tuple[int, int] | None:
+        self._check_tokens(num_tokens)
         need = self.config.pages_for(num_tokens)
-        idle = [i for i, s in enumerate(self._slots) if not s.active]
-        if not idle:
-            return None
-        covering = [i for i in idle if len(self._slots[i].pages) >= need]
-        if covering:
-            return min(covering, key=lambda i: len(self._slots[i].pages)), 0
-        slot = max(idle, key=lambda i: len(self._slots[i].pages))
-        missing = need - len(self._slots[slot].pages)
+        if slot is None:
+            slot = self._best_idle_slot(key=lambda n: (n < need, n if n >= need else -n))
+            if slot is None:
+                return None
+        else:
+            self._check_idle(slot)
+        missing = max(0, need - len(self._slots[slot].pages))
         return (slot, missing) if self._has_room(missing, exclude=slot) else None
+
+    def _best_idle_slot(self, key) -> int | None:
+        """The idle slot whose mapped page count minimises `key`."""
+        idle = [i for i, s in enumerate(self._slots) if not s.active]
+        return min(idle, key=lambda i: key(len(self._slots[i].pages)), default=None)
 
     def can_grow(self, slot: int, num_tokens: int) -> bool:
         """Whether `grow(slot, num_tokens)` would succeed; never raises."""
@@ -186,58 +192,88 @@ class VirtualKVCache:
 
     def share(self, src: int, dst: int, num_tokens: int) -> bool:
         """Make `dst` a slot of `num_tokens` tokens equal to the first
-        `num_tokens` of `src`: full pages are mapped into `dst` (shared), the
-        partly filled tail page is copied into a private page, and `dst`'s
-        other pages are let go.  False (nothing changed) if memory is short."""
-        a, b = self._active(src), self._active(dst)
-        if src == dst:
-            raise ValueError(f"cannot share slot {src} with itself")
+        `num_tokens` of `src` (see `share_many`)."""
+        return self.share_many({dst: src}, num_tokens)
+
+    def share_many(self, sources: Mapping[int, int], num_tokens: int) -> bool:
+        """Make each slot `dst` in `sources` a slot of `num_tokens` tokens equal
+        to the first `num_tokens` of `sources[dst]` as it was before the call
+        (so slots may trade contents, as beams do).  Full pages are mapped into
+        `dst` (shared), the partly filled tail page is copied into a private
+        page, and `dst`'s other pages are let go.  With `dst == src` the slot
+        is cut to `num_tokens`.  False (nothing changed) if memory is short."""
+        c = self.config
         self._check_tokens(num_tokens)
-        written = min(a.written)
-        if num_tokens > written:
-            raise ValueError(f"slot {src} has {written} tokens written in every layer; cannot share {num_tokens}")
-        full, tail = divmod(num_tokens * self.config.token_bytes, self.config.page_size)
-        same = min(full, len(b.pages))
-        k = next((j for j in range(same) if b.pages[j] != a.pages[j]), same)  # dst already holds a.pages[:k]
-        keep_tail = bool(tail) and k == full < len(b.pages) and full >= self._shared_prefix(b)
-        fresh_needed = int(bool(tail) and not keep_tail)
+        for dst, src in sources.items():
+            self._active(dst)
+            written = min(self._active(src).written)
+            if num_tokens > written:
+                raise ValueError(f"slot {src} has {written} tokens written in every layer; "
+                                 f"cannot share {num_tokens}")
+        full, tail = divmod(num_tokens * c.token_bytes, c.page_size)
+        before = {src: self._slots[src].pages[:] for src in set(sources.values())}
+        plan = {}  # dst -> (pages it already shares with its source, whether it keeps its own tail page)
+        for dst, src in sources.items():
+            pages = self._slots[dst].pages
+            same = min(full, len(pages))
+            k = next((j for j in range(same) if pages[j] != before[src][j]), same)
+            plan[dst] = (k, bool(tail) and k == full < len(pages) and full >= self._shared_prefix(self._slots[dst]))
+        fresh_needed = sum(bool(tail) and not keep_tail for _, keep_tail in plan.values())
         if not self._has_room(fresh_needed):
             return False
+
+        start = full * c.page_size
+        tails = self._bytes[:, list(sources.values()), start:start + tail].clone()
         self._make_room(fresh_needed)
-        fresh = self.pool.allocate(fresh_needed)
-        self._truncate(dst, full + 1 if keep_tail else k)
+        fresh = iter(self.pool.allocate(fresh_needed))
+        taken = {dst: before[sources[dst]][k:full] for dst, (k, _) in plan.items()}
+        self.pool.retain([g for groups in taken.values() for g in groups])  # before any source lets go
+        kept = {dst: full + 1 if keep_tail else k for dst, (k, keep_tail) in plan.items()}
+        self._drop([(dst, j) for dst, k in kept.items() for j in range(k, len(self._slots[dst].pages))])
+        entries, groups = [], []
+        for dst, k in kept.items():
+            del self._slots[dst].pages[k:]
+            new = taken[dst] + ([next(fresh)] if tail and not plan[dst][1] else [])
+            entries += [(dst, j) for j in range(k, k + len(new))]
+            groups += new
         try:
-            self._map([(dst, j) for j in range(k, full + fresh_needed)], a.pages[k:full] + fresh)
+            self._map(entries, groups)
         except BaseException:
-            self.pool.release(fresh)
+            self.pool.release(groups)
             raise
-        self.pool.retain(a.pages[k:full])
-        b.pages += a.pages[k:full] + fresh
-        start = full * self.config.page_size
-        self._bytes[:, dst, start:start + tail].copy_(self._bytes[:, src, start:start + tail])
-        b.tokens = num_tokens
-        b.written = [num_tokens] * self.config.num_layers
-        b.shared_pages = full
-        a.shared_pages = max(a.shared_pages, full)
+        for (dst, _), group in zip(entries, groups):
+            self._slots[dst].pages.append(group)
+        self._bytes[:, list(sources), start:start + tail] = tails
+        for dst, src in sources.items():
+            b = self._slots[dst]
+            b.tokens, b.written, b.shared_pages = num_tokens, [num_tokens] * c.num_layers, full
+            self._slots[src].shared_pages = max(self._slots[src].shared_pages, full)
         return True
 
-    def fork(self, src: int, num_tokens: int) -> int | None:
-        """A new slot whose first `num_tokens` share `src`'s pages, or None."""
+    def truncate(self, slot: int, num_tokens: int) -> bool:
+        """Cut the slot to its first `num_tokens` tokens."""
+        return self.share_many({slot: slot}, num_tokens)
+
+    def fork(self, src: int, num_tokens: int, slot: int | None = None) -> int | None:
+        """A new slot (the idle `slot` asked for, or the idle slot holding the
+        fewest pages) whose first `num_tokens` share `src`'s pages, or None."""
         self._active(src)
         self._check_tokens(num_tokens)
-        idle = [i for i, s in enumerate(self._slots) if not s.active]
-        if not idle:
-            return None
-        dst = min(idle, key=lambda i: len(self._slots[i].pages))
-        d = self._slots[dst]
+        if slot is None:
+            slot = self._best_idle_slot(key=lambda n: n)
+            if slot is None:
+                return None
+        else:
+            self._check_idle(slot)
+        d = self._slots[slot]
         d.tokens, idle_since = num_tokens, d.idle_since
         shared = False
         try:
-            shared = self.share(src, dst, num_tokens)
+            shared = self.share_many({slot: src}, num_tokens)
         finally:
             if not shared:
                 d.tokens, d.idle_since = 0, idle_since
-        return dst if shared else None
+        return slot if shared else None
 
     # ------------------------------------------------------------ swap
 
@@ -490,6 +526,11 @@ class VirtualKVCache:
         if not s.active:
             raise ValueError(f"slot {slot} is not allocated (it is free or was freed)")
         return s
+
+    def _check_idle(self, slot: int) -> None:
+        self._check_slot(slot)
+        if self._slots[slot].active:
+            raise ValueError(f"slot {slot} is already allocated")
 
     def _check_tokens(self, num_tokens: int) -> None:
         if not _valid_tokens(num_tokens, self.config.max_seq_len):
