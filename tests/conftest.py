@@ -10,14 +10,15 @@ GEOMETRY = dict(num_layers=2, num_kv_heads=3, head_dim=8, dtype=torch.float32)
 
 
 def make_cache(layout="per_layer", max_batch=4, max_seq_len=200, page_size=4096, pages=None, **kw) -> VirtualKVCache:
-    config = CacheConfig(**GEOMETRY, max_batch=max_batch, max_seq_len=max_seq_len, page_size=page_size,
-                         layout=layout, **kw)
+    """A small cache; `pages` sets the memory budget in page groups, `kw` overrides the geometry."""
+    config = CacheConfig(**{**GEOMETRY, **kw}, max_batch=max_batch, max_seq_len=max_seq_len, page_size=page_size,
+                         layout=layout)
     if pages is not None:
         config.memory_budget = pages * config.page_group_bytes
     return VirtualKVCache(config)
 
 
-@pytest.fixture(params=["per_layer", "interleaved"])
+@pytest.fixture(params=["per_layer", "per_head", "interleaved"])
 def layout(request):
     return request.param
 

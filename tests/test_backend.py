@@ -1,5 +1,6 @@
 """The backend contract, on the real host backend."""
 import gc
+import os
 import subprocess
 import sys
 
@@ -103,9 +104,7 @@ def test_bad_offsets_map_nothing(backend):
                                  ([0, size], [0, 2], "physical"), ([-4096], [0], "virtual")]:
         with pytest.raises(ValueError, match=what):
             backend.map(res, pool, offsets, pages)
-        assert int(view.sum()) == 0
-        view_first = backend.committed_bytes(pool)
-        assert view_first == 0
+        assert int(view.sum()) == 0 and backend.committed_bytes(pool) == 0
     with pytest.raises(ValueError, match="2 virtual offsets but 1 physical"):
         backend.map(res, pool, [0, size], [0])
     with pytest.raises(TypeError):
@@ -123,12 +122,9 @@ def test_reservation_and_pool_sizes_are_checked():
 
 def test_os_errors_carry_errno_text():
     res = _native.Reservation(4096)
-    with pytest.raises(OSError, match="Bad file descriptor|Invalid argument|No such device"):
-        # a file whose descriptor has been closed underneath
-        f = _native.PhysicalFile(4096)
-        import os
-
-        os.close(f.fd)
+    f = _native.PhysicalFile(4096)
+    os.close(f.fd)  # the memfd closed underneath
+    with pytest.raises(OSError, match=r"\[Errno 9\] mmap \(map page\) failed: Bad file descriptor"):
         _native.map_pages(res, f, 4096, [0], [0])
 
 

@@ -9,9 +9,9 @@ from conftest import GEOMETRY, fill, make_cache, state
 @pytest.fixture
 def cache(layout):
     cache = make_cache(layout)
-    a = cache.allocate(150)
-    fill(cache, a, 100)
-    b = cache.fork(a, 90)
+    a = cache.allocate(200)
+    fill(cache, a, 140)
+    b = cache.fork(a, 135)  # at least one full shared page in every layout
     idle = cache.allocate(20)
     cache.free(idle)
     cache.swapped = cache.swap_out(cache.allocate(10))
@@ -40,29 +40,29 @@ MISUSE = {
     "allocate an allocated slot": (lambda c: c.allocate(5, slot=c.a), "already allocated"),
     "allocate unknown slot": (lambda c: c.allocate(5, slot=4), "does not exist"),
     "fork into an allocated slot": (lambda c: c.fork(c.a, 5, slot=c.b), "already allocated"),
-    "truncate past what is written": (lambda c: c.truncate(c.a, 101), "100 tokens written"),
+    "truncate past what is written": (lambda c: c.truncate(c.a, 141), "140 tokens written"),
     "share_many one bad": (lambda c: c.share_many({c.b: c.a, c.idle: c.a}, 10), "not allocated"),
-    "share more than written": (lambda c: c.share(c.a, c.b, 120), "100 tokens written"),
+    "share more than written": (lambda c: c.share(c.a, c.b, 141), "140 tokens written"),
     "share into freed slot": (lambda c: c.share(c.a, c.idle, 10), "not allocated"),
     "fork freed slot": (lambda c: c.fork(c.idle, 10), "not allocated"),
-    "fork more than written": (lambda c: c.fork(c.a, 101), "100 tokens written"),
-    "write wrong dtype": (lambda c: c.write(0, [c.a], [100], *kv(dtype=torch.float16)), "float16"),
-    "write wrong device": (lambda c: c.write(0, [c.a], [100], *kv(device="meta")), "meta"),
-    "write wrong heads": (lambda c: c.write(0, [c.a], [100], *kv(H=4)), "must be \\[1, T>0, 3, 8\\]"),
-    "write wrong rank": (lambda c: c.write(0, [c.a], [100], torch.zeros(1, 3, 8), torch.zeros(1, 3, 8)), "must be"),
-    "write no tokens": (lambda c: c.write(0, [c.a], [100], *kv(T=0)), "T>0"),
-    "write batch mismatch": (lambda c: c.write(0, [c.a, c.b], [100, 90], *kv(B=1)), "must be \\[2"),
-    "write key/value differ": (lambda c: c.write(0, [c.a], [100], kv(T=2)[0], kv(T=1)[1]), "differ|must be"),
-    "write positions mismatch": (lambda c: c.write(0, [c.a], [100, 1], *kv()), "one position per slot"),
-    "write duplicate slots": (lambda c: c.write(0, [c.a, c.a], [100, 100], *kv(B=2)), "slot twice"),
-    "write leaves a gap": (lambda c: c.write(0, [c.a], [101], *kv()), "gap"),
+    "fork more than written": (lambda c: c.fork(c.a, 141), "140 tokens written"),
+    "write wrong dtype": (lambda c: c.write(0, [c.a], [140], *kv(dtype=torch.float16)), "float16"),
+    "write wrong device": (lambda c: c.write(0, [c.a], [140], *kv(device="meta")), "meta"),
+    "write wrong heads": (lambda c: c.write(0, [c.a], [140], *kv(H=4)), "must be \\[1, T>0, 3, 8\\]"),
+    "write wrong rank": (lambda c: c.write(0, [c.a], [140], torch.zeros(1, 3, 8), torch.zeros(1, 3, 8)), "must be"),
+    "write no tokens": (lambda c: c.write(0, [c.a], [140], *kv(T=0)), "T>0"),
+    "write batch mismatch": (lambda c: c.write(0, [c.a, c.b], [140, 135], *kv(B=1)), "must be \\[2"),
+    "write key/value differ": (lambda c: c.write(0, [c.a], [140], kv(T=2)[0], kv(T=1)[1]), "differ|must be"),
+    "write positions mismatch": (lambda c: c.write(0, [c.a], [140, 1], *kv()), "one position per slot"),
+    "write duplicate slots": (lambda c: c.write(0, [c.a, c.a], [140, 140], *kv(B=2)), "slot twice"),
+    "write leaves a gap": (lambda c: c.write(0, [c.a], [141], *kv()), "gap"),
     "write negative position": (lambda c: c.write(0, [c.a], [-1], *kv()), "gap"),
-    "write past capacity": (lambda c: c.write(0, [c.a], [100], *kv(T=51)), "sized for 150"),
+    "write past capacity": (lambda c: c.write(0, [c.a], [140], *kv(T=61)), "sized for 200"),
     "write on a shared page": (lambda c: c.write(1, [c.b], [0], *kv()), "shares with another slot"),
     "write to freed slot": (lambda c: c.write(0, [c.idle], [0], *kv()), "not allocated"),
-    "write bad layer": (lambda c: c.write(2, [c.a], [100], *kv()), "layer 2 does not exist"),
-    "write one bad slot of two": (lambda c: c.write(0, [c.a, c.idle], [100, 0], *kv(B=2)), "not allocated"),
-    "write not a tensor": (lambda c: c.write(0, [c.a], [100], [[1.0]], [[1.0]]), "must be a tensor"),
+    "write bad layer": (lambda c: c.write(2, [c.a], [140], *kv()), "layer 2 does not exist"),
+    "write one bad slot of two": (lambda c: c.write(0, [c.a, c.idle], [140, 0], *kv(B=2)), "not allocated"),
+    "write not a tensor": (lambda c: c.write(0, [c.a], [140], [[1.0]], [[1.0]]), "must be a tensor"),
     "live_kv freed slot": (lambda c: c.live_kv(c.idle, 0), "not allocated"),
     "live_kv bad layer": (lambda c: c.live_kv(c.a, -1), "does not exist"),
     "layer_kv bad layer": (lambda c: c.layer_kv(5), "does not exist"),

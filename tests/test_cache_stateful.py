@@ -13,9 +13,11 @@ class CacheMachine(RuleBasedStateMachine):
     layout = "per_layer"
     budget = 6  # page groups: tight, so pressure, reclaim and failures happen
 
+    geometry = {}
+
     def __init__(self):
         super().__init__()
-        self.cache = make_cache(self.layout, max_batch=4, max_seq_len=MAX_SEQ, pages=self.budget)
+        self.cache = make_cache(self.layout, max_batch=4, max_seq_len=MAX_SEQ, pages=self.budget, **self.geometry)
         self.c = self.cache.config
         self.model: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # slot -> (K, V) per layer
         self.swapped = []  # (handle, model)
@@ -171,9 +173,17 @@ class InterleavedMachine(CacheMachine):
     budget = 18
 
 
+class PerHeadMachine(CacheMachine):
+    layout = "per_head"
+    geometry = dict(head_dim=40)  # 160 bytes a token per buffer: several pages a slot
+    budget = 8
+
+
 SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 TestPerLayer = CacheMachine.TestCase
 TestPerLayer.settings = SETTINGS
 TestInterleaved = InterleavedMachine.TestCase
 TestInterleaved.settings = SETTINGS
+TestPerHead = PerHeadMachine.TestCase
+TestPerHead.settings = SETTINGS

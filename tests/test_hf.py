@@ -20,7 +20,7 @@ MODES = {
     "padded batch": dict(do_sample=False),
     "num_return_sequences": dict(do_sample=True, num_return_sequences=3),
 }
-LAYOUTS = {"per_layer": 4096, "interleaved": 4096}
+LAYOUTS = {"per_layer": 4096, "per_head": 4096, "interleaved": 4096}
 
 
 def tiny_model(arch, attn):
@@ -84,7 +84,8 @@ def smollm2():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("layout, page_size", [("per_layer", 64 << 10), ("interleaved", 2 << 20)])
+@pytest.mark.parametrize("layout, page_size", [("per_layer", 64 << 10), ("per_head", 16 << 10),
+                                               ("interleaved", 2 << 20)])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_smollm2_matches_dynamic_cache(smollm2, attn, layout, page_size, mode):
     model, prompts = smollm2

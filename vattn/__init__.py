@@ -4,5 +4,14 @@ from vattn.cache import CacheStats, SwappedSlot, VirtualKVCache
 from vattn.config import CacheConfig
 from vattn.page_pool import PagePool
 
-__all__ = ["Backend", "CacheConfig", "CacheStats", "PagePool", "SwappedSlot", "VirtualKVCache", "get_backend"]
+__all__ = ["Backend", "CacheConfig", "CacheStats", "PagePool", "SwappedSlot", "VAttnCache", "VirtualKVCache",
+           "get_backend"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name == "VAttnCache":  # imported on first use: it needs transformers (the `hf` extra)
+        from vattn.hf import VAttnCache
+
+        return VAttnCache
+    raise AttributeError(f"module 'vattn' has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """The virtual KV cache.
 
-Every buffer (one per layer and K/V, or one in all with the interleaved layout)
-is reserved up front for `max_batch` slots of `max_seq_len` tokens.  A slot is
+Every buffer (one per layer and K/V, one per layer, K/V and head, or one in
+all, by the layout) is reserved up front for `max_batch` slots of `max_seq_len` tokens.  A slot is
 one request's region; page j of a slot in every buffer is one *page group*,
 the unit the page pool counts and the cache maps.  A slot's state is "page
 groups 0..n-1 mapped".
@@ -95,9 +95,12 @@ class VirtualKVCache:
         c = self.config
         size = c.dtype.itemsize
         H, D = c.num_kv_heads, c.head_dim
-        stride = self._buffer_bytes // size if c.layout == "per_layer" else H * D
+        buffer = self._buffer_bytes // size
+        head, start = {"per_layer": (D, component * buffer),  # buffer 2l+kv, heads within a token
+                       "per_head": (buffer, component * H * buffer),  # buffer (2l+kv)·H + h
+                       "interleaved": (D, component * H * D)}[c.layout]  # [..., l, kv, h, d] in a token
         return self.backend.tensor(self._reservation, c.dtype, (c.max_batch, c.max_seq_len, H, D),
-                                   (c.slot_bytes // size, c.token_bytes // size, D, 1), component * stride)
+                                   (c.slot_bytes // size, c.token_bytes // size, head, 1), start)
 
     # ------------------------------------------------------------ slots
 
@@ -361,8 +364,9 @@ class VirtualKVCache:
             written[layer] = max(written[layer], pos + T)
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole-buffer K and V of `layer`, `[max_batch, max_seq_len, H, D]`,
-        for kernels that read each slot only up to its length (`lengths`)."""
+        """Whole-buffer K and V of `layer`, `[max_batch, max_seq_len, H, D]`, for
+        kernels given each slot's length.  Every row is safe to read: past a
+        slot's length it holds zeros or finite stale values."""
         self._check_layer(layer)
         return self._k[layer], self._v[layer]
 

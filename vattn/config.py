@@ -5,17 +5,22 @@ from typing import Literal
 import torch
 
 MiB = 1 << 20
-LAYOUTS = ("per_layer", "interleaved")
+LAYOUTS = ("per_layer", "per_head", "interleaved")
 
 
 @dataclass(slots=True)
 class CacheConfig:
     """Geometry of a virtual KV cache.
 
-    `layout="per_layer"` keeps 2·L buffers `[max_batch, max_seq_len, H, D]`
-    (vAttention's default); `"interleaved"` keeps one buffer
-    `[max_batch, max_seq_len, L, 2, H, D]`, so a page holds every layer's K and
-    V of a few tokens and large pages still give fine granularity.
+    Every layout is virtually contiguous along the sequence:
+    - `"per_layer"` keeps 2·L buffers `[max_batch, max_seq_len, H, D]`
+      (vAttention's default; FlashAttention's layout);
+    - `"per_head"` keeps 2·L·H buffers `[max_batch, max_seq_len, D]`, so a
+      layer's K is `[max_batch, H, max_seq_len, D]` with each head's tokens
+      contiguous, the layout torch SDPA, eager attention and transformers use;
+    - `"interleaved"` keeps one buffer `[max_batch, max_seq_len, L, 2, H, D]`, so
+      a page holds every layer's K and V of a few tokens and large pages still
+      give fine granularity.
     `memory_budget` is the physical KV memory in bytes (default: enough for
     every slot at `max_seq_len`).
     """
@@ -27,7 +32,7 @@ class CacheConfig:
     max_batch: int = 8
     max_seq_len: int = 2048
     page_size: int = 2 * MiB
-    layout: Literal["per_layer", "interleaved"] = "per_layer"
+    layout: Literal["per_layer", "per_head", "interleaved"] = "per_layer"
     memory_budget: int | None = None
     device: str = "cpu"
 
@@ -47,13 +52,13 @@ class CacheConfig:
 
     @property
     def num_buffers(self) -> int:
-        return 2 * self.num_layers if self.layout == "per_layer" else 1
+        return {"per_layer": 2 * self.num_layers, "per_head": 2 * self.num_layers * self.num_kv_heads,
+                "interleaved": 1}[self.layout]
 
     @property
     def token_bytes(self) -> int:
         """Bytes one token takes in one buffer."""
-        per_head = self.num_kv_heads * self.head_dim * self.dtype.itemsize
-        return per_head if self.layout == "per_layer" else per_head * 2 * self.num_layers
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize // self.num_buffers
 
     @property
     def kv_bytes_per_token(self) -> int:

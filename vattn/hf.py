@@ -60,11 +60,13 @@ class VAttnCache(Cache):
         self._capacity = 0  # tokens every row is sized for (kept here: it is checked on every update)
 
     @classmethod
-    def from_model(cls, model, max_batch: int, max_seq_len: int, *, layout: str = "per_layer",
-                   page_size: int = 64 << 10, memory_budget: int | None = None) -> "VAttnCache":
-        """A cache with the geometry, dtype and device of `model`.  On the host any
-        multiple of 4 KiB is a valid page; 64 KiB keeps the per-layer layout's
-        granularity near 100 tokens for small models."""
+    def from_model(cls, model, max_batch: int, max_seq_len: int, *, layout: str = "per_head",
+                   page_size: int = 16 << 10, memory_budget: int | None = None) -> "VAttnCache":
+        """A cache with the geometry, dtype and device of `model`.  The per-head
+        layout hands attention `[batch, heads, tokens, head_dim]` views whose
+        rows are contiguous, as transformers' own caches do; on the host any
+        multiple of 4 KiB is a page, and 16 KiB keeps the granularity near 128
+        tokens for 64-dim bfloat16 heads."""
         c = model.config.get_text_config()
         heads = c.num_attention_heads
         return cls(CacheConfig(
@@ -143,6 +145,8 @@ class VAttnCache(Cache):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row becomes `repeats` rows that share its pages."""
+        if not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"repeats must be a positive int, got {repeats!r}")
         if not self.rows or repeats == 1:
             return
         new_rows = self.rows * repeats
@@ -150,15 +154,16 @@ class VAttnCache(Cache):
             raise ValueError(f"repeating {self.rows} rows {repeats} times needs {new_rows} slots; this cache "
                              f"was built for max_batch={self.kv.config.max_batch}")
         n = self.get_seq_length()
-        forked = []
-        for row in range(self.rows, new_rows):  # forks first: they read the rows before they move
+        forked = []  # forks first: they read the rows before those move
+        while len(forked) < new_rows - self.rows:
+            row = self.rows + len(forked)
             if self.kv.fork(row // repeats, n, slot=row) is None:
-                for f in forked:
-                    self.kv.free(f)
-                raise KVMemoryError(f"the KV memory budget cannot hold {new_rows} rows of {n} tokens")
+                break
             forked.append(row)
-        moves = {row: row // repeats for row in range(1, self.rows)}
-        if not self.kv.share_many(moves, n):
+        if len(forked) < new_rows - self.rows or not self.kv.share_many(
+                {row: row // repeats for row in range(1, self.rows)}, n):
+            for row in forked:
+                self.kv.free(row)
             raise KVMemoryError(f"the KV memory budget cannot hold {new_rows} rows of {n} tokens")
         self.rows = new_rows
         self._capacity = min(self.kv.capacity(row) for row in range(new_rows))

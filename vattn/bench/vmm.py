@@ -104,7 +104,7 @@ def run(json_path: str | None = None, repeats: int = 15, steps: int = 512) -> di
         "unmap_ratio_vs_raw": {k: v["unmap"] / v["raw_unmap"] for k, v in latency.items()},
         "decode_step": {layout: {name: decode_step_mapping(PAGE_SIZES[name], layout, 64, steps)
                                  for name in ("64k", "2m")}
-                        for layout in ("per_layer", "interleaved")},
+                        for layout in ("per_layer", "per_head", "interleaved")},
     }
     print_table(f"map/unmap latency per page (µs, median of {repeats} runs; shuffled pages)",
                 ["page", "batched map", "single-page map", "raw C map", "map vs raw", "batched unmap",
