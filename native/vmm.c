@@ -291,34 +291,54 @@ static Py_ssize_t run_length(const int64_t *virt, const int64_t *file, Py_ssize_
     return j - i;
 }
 
-static PyObject *map_pages(PyObject *mod, PyObject *args) {
+/* A batch of pages to map: (reservation, file, page_size, virt_offsets,
+ * file_offsets), read and checked.  Returns 0, or -1 with an exception set. */
+typedef struct {
     Reservation *res;
     PhysicalFile *file;
-    Py_ssize_t page_size, n, m;
+    Py_ssize_t page_size, n;
+    int64_t *virt, *foff;
+} MapBatch;
+
+static void free_batch(MapBatch *b) {
+    PyMem_Free(b->virt);
+    PyMem_Free(b->foff);
+}
+
+static int read_batch(PyObject *args, MapBatch *b) {
     PyObject *virt_seq, *file_seq;
-    if (!PyArg_ParseTuple(args, "O!O!nOO", &ReservationType, &res, &PhysicalFileType, &file, &page_size,
-                          &virt_seq, &file_seq))
-        return NULL;
-    if (check_page_size(page_size)) return NULL;
-    int64_t *virt = read_offsets(virt_seq, &n, page_size, res->nbytes, "virtual");
-    if (!virt) return NULL;
-    int64_t *foff = read_offsets(file_seq, &m, page_size, file->nbytes, "physical");
-    if (!foff) {
-        PyMem_Free(virt);
-        return NULL;
+    Py_ssize_t m;
+    memset(b, 0, sizeof *b);
+    if (!PyArg_ParseTuple(args, "O!O!nOO", &ReservationType, &b->res, &PhysicalFileType, &b->file, &b->page_size,
+                          &virt_seq, &file_seq) ||
+        check_page_size(b->page_size))
+        return -1;
+    if (!(b->virt = read_offsets(virt_seq, &b->n, b->page_size, b->res->nbytes, "virtual")) ||
+        !(b->foff = read_offsets(file_seq, &m, b->page_size, b->file->nbytes, "physical"))) {
+        free_batch(b);
+        return -1;
     }
-    if (n != m) {
-        PyMem_Free(virt);
-        PyMem_Free(foff);
-        return PyErr_Format(PyExc_ValueError, "%zd virtual offsets but %zd physical offsets", n, m);
+    if (b->n != m) {
+        PyErr_Format(PyExc_ValueError, "%zd virtual offsets but %zd physical offsets", b->n, m);
+        free_batch(b);
+        return -1;
     }
+    return 0;
+}
+
+static PyObject *map_pages(PyObject *mod, PyObject *args) {
+    MapBatch b;
+    if (read_batch(args, &b)) return NULL;
+    Reservation *res = b.res;
+    Py_ssize_t n = b.n, page_size = b.page_size;
+    int64_t *virt = b.virt, *foff = b.foff;
     int err = 0, undo_err = 0;
     Py_BEGIN_ALLOW_THREADS
     Py_ssize_t i = 0;
     while (i < n) {
         Py_ssize_t run = run_length(virt, foff, i, n, page_size);
         void *p = mmap(res->addr + virt[i], run * page_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
-                       file->fd, foff[i]);
+                       b.file->fd, foff[i]);
         if (p == MAP_FAILED) {
             err = errno;
             break;
@@ -329,8 +349,7 @@ static PyObject *map_pages(PyObject *mod, PyObject *args) {
         for (Py_ssize_t k = 0; k < i; k++)
             if (backing(res, res->addr + virt[k], page_size)) undo_err = errno;
     Py_END_ALLOW_THREADS
-    PyMem_Free(virt);
-    PyMem_Free(foff);
+    free_batch(&b);
     if (undo_err) return PyErr_Format(PyExc_SystemError, "could not undo a failed map: %s", strerror(undo_err));
     if (err) return raise_errno("mmap (map page)", err);
     Py_RETURN_NONE;
@@ -390,30 +409,18 @@ static double now_ns(void) {
 /* The baseline for the map benchmark: the same syscalls as map_pages and
  * unmap_pages, one page each, in a plain C loop.  Returns total ns. */
 static PyObject *raw_map_loop(PyObject *mod, PyObject *args) {
-    Reservation *res;
-    PhysicalFile *file;
-    Py_ssize_t page_size, n, m;
-    PyObject *virt_seq, *file_seq;
-    if (!PyArg_ParseTuple(args, "O!O!nOO", &ReservationType, &res, &PhysicalFileType, &file, &page_size,
-                          &virt_seq, &file_seq))
-        return NULL;
-    if (check_page_size(page_size)) return NULL;
-    int64_t *virt = read_offsets(virt_seq, &n, page_size, res->nbytes, "virtual");
-    if (!virt) return NULL;
-    int64_t *foff = read_offsets(file_seq, &m, page_size, file->nbytes, "physical");
-    if (!foff || n != m) {
-        PyMem_Free(virt);
-        PyMem_Free(foff);
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "offset sequences differ in length");
-        return NULL;
-    }
+    MapBatch b;
+    if (read_batch(args, &b)) return NULL;
+    Reservation *res = b.res;
+    Py_ssize_t n = b.n, page_size = b.page_size;
+    int64_t *virt = b.virt, *foff = b.foff;
     int err = 0;
     Py_ssize_t mapped = 0;
     double t0, t1, t2;
     Py_BEGIN_ALLOW_THREADS
     t0 = now_ns();
     for (; mapped < n; mapped++)
-        if (mmap(res->addr + virt[mapped], page_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, file->fd,
+        if (mmap(res->addr + virt[mapped], page_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, b.file->fd,
                  foff[mapped]) == MAP_FAILED) {
             err = errno;
             break;
@@ -423,8 +430,7 @@ static PyObject *raw_map_loop(PyObject *mod, PyObject *args) {
         if (backing(res, res->addr + virt[i], page_size)) err = errno;
     t2 = now_ns();
     Py_END_ALLOW_THREADS
-    PyMem_Free(virt);
-    PyMem_Free(foff);
+    free_batch(&b);
     if (err) return raise_errno("mmap (raw loop)", err);
     return Py_BuildValue("dd", t1 - t0, t2 - t1);
 }

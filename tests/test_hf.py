@@ -202,3 +202,21 @@ def test_memory_budget_exhausted_is_clear():
         generate(model, inputs_for("padded batch"), "greedy", cache, new_tokens=150)
     cache.reset()
     assert cache.stats().pages_free + cache.stats().pages_idle == cache.stats().pages_total
+
+
+def test_same_kernel_sdpa_changes_no_result():
+    """vattn_sdpa only makes decode take the packed-GQA kernel; outputs stay those of sdpa."""
+    model = tiny_model("qwen2", "sdpa")
+    inputs = inputs_for("greedy")
+    with torch.no_grad():
+        cache = vattn_cache(model, "per_head", 4096)
+        model(**inputs, cache=cache)
+        step = dict(input_ids=inputs["input_ids"][:, -1:], cache=cache)
+        expected = model(**step).logits
+        cache.crop(-1)
+        model.set_attn_implementation("vattn_sdpa")
+        got = model(**step).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    model.set_attn_implementation("vattn_sdpa")
+    assert torch.equal(generate(model, inputs, "greedy", vattn_cache(model, "per_head", 4096)),
+                       generate(model, inputs, "greedy"))

@@ -182,8 +182,8 @@ class VirtualKVCache:
         """Finish the slot's request.  Its private pages stay mapped (the slot
         goes idle); pages it shares with other slots are let go."""
         s = self._active(slot)
-        shared = [j for j in range(s.shared_pages) if self.pool.refs[s.pages[j]] > 1]
-        self._truncate(slot, shared[0] if shared else len(s.pages))
+        first_shared = next((j for j in range(s.shared_pages) if self.pool.refs[s.pages[j]] > 1), len(s.pages))
+        self._truncate(slot, first_shared)
         self._make_idle(s)
 
     def trim(self) -> int:
@@ -257,7 +257,6 @@ class VirtualKVCache:
             self._slots[dst].pages.append(group)
         for dst, src in sources.items():
             self._bytes[:, dst, start:start + tail].copy_(tails[src])
-        for dst, src in sources.items():
             b = self._slots[dst]
             b.tokens, b.written, b.shared_pages = num_tokens, [num_tokens] * c.num_layers, full
             self._slots[src].shared_pages = max(self._slots[src].shared_pages, full)

@@ -47,7 +47,7 @@ def bench(args) -> None:
     elif args.what == "hf":
         from vattn.bench import hf
 
-        hf.run(args.json, new_tokens=args.new_tokens)
+        hf.run(args.json, batches=args.batches, new_tokens=args.new_tokens, attn=args.attn)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=15, help="runs per measurement (median reported)")
     p.add_argument("--steps", type=int, default=512, help="vmm: decode steps to time")
     p.add_argument("--new-tokens", type=int, nargs="+", default=[512, 2048], help="hf: tokens to generate")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="hf: batch sizes")
+    p.add_argument("--attn", choices=["sdpa", "vattn_sdpa", "eager"], default="sdpa",
+                   help="hf: attention implementation for every cache")
     p.set_defaults(func=bench)
     args = parser.parse_args(argv)
     args.func(args)

@@ -9,7 +9,9 @@ reordering, `batch_select_indices` and `batch_repeat_interleave` remap pages
 (sharing them) instead of copying the history.
 """
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from vattn.cache import VirtualKVCache
 from vattn.config import CacheConfig
@@ -192,3 +194,18 @@ class VAttnCache(Cache):
 
     def stats(self):
         return self.kv.stats()
+
+
+def sdpa_same_kernel(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention, except that a single decode token with
+    grouped KV heads always takes the packed-GQA kernel.  transformers picks it
+    only when a mask is present and otherwise asks torch for `enable_gqa`,
+    several times slower on CPU, so the kernel would depend on whether the
+    cache makes a mask (StaticCache does) rather than on the work.  An all-true
+    mask changes no result."""
+    if attention_mask is None and query.shape[2] == 1 and query.shape[1] != key.shape[1]:
+        attention_mask = torch.ones(1, 1, 1, key.shape[2], dtype=torch.bool, device=query.device)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register("vattn_sdpa", sdpa_same_kernel)
