@@ -40,7 +40,7 @@ def kv_bytes(cache) -> tuple[int, int]:
 def run(prompt: str, max_new_tokens: int, num_beams: int, cache_kind: str) -> None:
     from vattn.models import load_smollm2
 
-    model, tokenizer = load_smollm2()
+    model, tokenizer = load_smollm2(attn_implementation="vattn_sdpa")
     chat = [{"role": "user", "content": prompt}]
     inputs = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     prompt_len = inputs["input_ids"].shape[1]
