@@ -329,16 +329,13 @@ static int read_batch(PyObject *args, MapBatch *b) {
 static PyObject *map_pages(PyObject *mod, PyObject *args) {
     MapBatch b;
     if (read_batch(args, &b)) return NULL;
-    Reservation *res = b.res;
-    Py_ssize_t n = b.n, page_size = b.page_size;
-    int64_t *virt = b.virt, *foff = b.foff;
     int err = 0, undo_err = 0;
     Py_BEGIN_ALLOW_THREADS
     Py_ssize_t i = 0;
-    while (i < n) {
-        Py_ssize_t run = run_length(virt, foff, i, n, page_size);
-        void *p = mmap(res->addr + virt[i], run * page_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
-                       b.file->fd, foff[i]);
+    while (i < b.n) {
+        Py_ssize_t run = run_length(b.virt, b.foff, i, b.n, b.page_size);
+        void *p = mmap(b.res->addr + b.virt[i], run * b.page_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                       b.file->fd, b.foff[i]);
         if (p == MAP_FAILED) {
             err = errno;
             break;
@@ -347,7 +344,7 @@ static PyObject *map_pages(PyObject *mod, PyObject *args) {
     }
     if (err) /* undo every page mapped before the failure */
         for (Py_ssize_t k = 0; k < i; k++)
-            if (backing(res, res->addr + virt[k], page_size)) undo_err = errno;
+            if (backing(b.res, b.res->addr + b.virt[k], b.page_size)) undo_err = errno;
     Py_END_ALLOW_THREADS
     free_batch(&b);
     if (undo_err) return PyErr_Format(PyExc_SystemError, "could not undo a failed map: %s", strerror(undo_err));
@@ -411,23 +408,20 @@ static double now_ns(void) {
 static PyObject *raw_map_loop(PyObject *mod, PyObject *args) {
     MapBatch b;
     if (read_batch(args, &b)) return NULL;
-    Reservation *res = b.res;
-    Py_ssize_t n = b.n, page_size = b.page_size;
-    int64_t *virt = b.virt, *foff = b.foff;
     int err = 0;
     Py_ssize_t mapped = 0;
     double t0, t1, t2;
     Py_BEGIN_ALLOW_THREADS
     t0 = now_ns();
-    for (; mapped < n; mapped++)
-        if (mmap(res->addr + virt[mapped], page_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, b.file->fd,
-                 foff[mapped]) == MAP_FAILED) {
+    for (; mapped < b.n; mapped++)
+        if (mmap(b.res->addr + b.virt[mapped], b.page_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, b.file->fd,
+                 b.foff[mapped]) == MAP_FAILED) {
             err = errno;
             break;
         }
     t1 = now_ns();
     for (Py_ssize_t i = 0; i < mapped; i++)
-        if (backing(res, res->addr + virt[i], page_size)) err = errno;
+        if (backing(b.res, b.res->addr + b.virt[i], b.page_size)) err = errno;
     t2 = now_ns();
     Py_END_ALLOW_THREADS
     free_batch(&b);
