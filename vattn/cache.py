@@ -1,10 +1,10 @@
 """The virtual KV cache.
 
 Every buffer (one per layer and K/V, one per layer, K/V and head, or one in
-all, by the layout) is reserved up front for `max_batch` slots of `max_seq_len` tokens.  A slot is
-one request's region; page j of a slot in every buffer is one *page group*,
-the unit the page pool counts and the cache maps.  A slot's state is "page
-groups 0..n-1 mapped".
+all, by the layout) is reserved up front for `max_batch` slots of
+`max_seq_len` tokens.  A slot is one request's region; page j of a slot in
+every buffer is one *page group*, the unit the page pool counts and the cache
+maps.  A slot's state is "page groups 0..n-1 mapped".
 
 Deferred reclamation: a freed slot goes idle with its pages still mapped; the
 next request takes the idle slot that best fits it, and idle pages are

@@ -1,12 +1,14 @@
-"""`vattn generate`: chat with SmolLM2 through generate(), on a cache of choice."""
+"""`vattn generate`: chat with SmolLM2 through generate(), on a cache of choice.
+
+transformers is imported where it is used, so the `vattn` command can read the
+constants below without loading it.
+"""
 import sys
 import time
 
 import torch
-from transformers import DynamicCache, StaticCache, TextStreamer
 
 from vattn.bench.report import print_table
-from vattn.hf import VAttnCache
 
 CACHES = ("vattn", "dynamic", "static")
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
@@ -14,6 +16,10 @@ DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 
 def make_cache(kind: str, model, batch: int, max_seq_len: int):
     """A fresh cache of `kind` for `batch` rows of up to `max_seq_len` tokens."""
+    from transformers import DynamicCache, StaticCache
+
+    from vattn.hf import VAttnCache
+
     if kind == "vattn":
         return VAttnCache.from_model(model, max_batch=batch, max_seq_len=max_seq_len)
     if kind == "dynamic":
@@ -25,6 +31,8 @@ def make_cache(kind: str, model, batch: int, max_seq_len: int):
 
 def kv_bytes(cache) -> tuple[int, int]:
     """(bytes of KV memory the cache holds, bytes of the tokens it stores)."""
+    from vattn.hf import VAttnCache
+
     if isinstance(cache, VAttnCache):
         st = cache.stats()
         return st.mapped_bytes, st.live_bytes
@@ -38,6 +46,9 @@ def kv_bytes(cache) -> tuple[int, int]:
 
 
 def run(prompt: str, max_new_tokens: int, num_beams: int, cache_kind: str) -> None:
+    from transformers import TextStreamer
+
+    from vattn.hf import VAttnCache
     from vattn.models import load_smollm2
 
     model, tokenizer = load_smollm2(attn_implementation="vattn_sdpa")
