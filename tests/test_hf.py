@@ -1,18 +1,11 @@
 """VAttnCache inside transformers' generate(): token-identical to DynamicCache."""
 import pytest
 import torch
-from transformers import (DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, StaticCache)
+from tiny_models import TINY, tiny_model
+from transformers import DynamicCache, StaticCache
 
 from vattn.hf import KVMemoryError, VAttnCache
 
-SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=95, bos_token_id=1)
-TINY = {
-    "llama": (LlamaConfig, LlamaForCausalLM, {}),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
-    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 8}),  # generations pass the window
-}
 MODES = {
     "greedy": dict(do_sample=False),
     "sampling": dict(do_sample=True, temperature=0.9, top_k=20),
@@ -21,14 +14,6 @@ MODES = {
     "num_return_sequences": dict(do_sample=True, num_return_sequences=3),
 }
 LAYOUTS = {"per_layer": 4096, "per_head": 4096, "interleaved": 4096}
-
-
-def tiny_model(arch, attn):
-    config_cls, model_cls, extra = TINY[arch]
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**SMALL, **extra)).eval()
-    model.set_attn_implementation(attn)
-    return model
 
 
 def inputs_for(mode, vocab=96, prompts=None):

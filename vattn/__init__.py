@@ -3,15 +3,20 @@ from vattn.backends import Backend, get_backend
 from vattn.cache import CacheStats, SwappedSlot, VirtualKVCache
 from vattn.config import CacheConfig
 from vattn.page_pool import PagePool
+from vattn.sampling_params import SamplingParams
 
-__all__ = ["Backend", "CacheConfig", "CacheStats", "PagePool", "SwappedSlot", "VAttnCache", "VirtualKVCache",
-           "get_backend"]
+__all__ = ["LLM", "Backend", "CacheConfig", "CacheStats", "EngineConfig", "LLMEngine", "PagePool", "SamplingParams",
+           "SwappedSlot", "VAttnCache", "VirtualKVCache", "get_backend"]
 __version__ = "0.1.0"
 
 
-def __getattr__(name):
-    if name == "VAttnCache":  # imported on first use: it needs transformers (the `hf` extra)
-        from vattn.hf import VAttnCache
+_NEEDS_TRANSFORMERS = {"VAttnCache": "vattn.hf", "LLM": "vattn.llm", "LLMEngine": "vattn.engine",
+                       "EngineConfig": "vattn.engine"}
 
-        return VAttnCache
+
+def __getattr__(name):
+    if name in _NEEDS_TRANSFORMERS:  # imported on first use: they need transformers (the `hf` extra)
+        import importlib
+
+        return getattr(importlib.import_module(_NEEDS_TRANSFORMERS[name]), name)
     raise AttributeError(f"module 'vattn' has no attribute {name!r}")

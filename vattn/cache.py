@@ -107,37 +107,57 @@ class VirtualKVCache:
     def can_allocate(self, num_tokens: int, slot: int | None = None) -> bool:
         """Whether `allocate(num_tokens, slot)` would succeed; never raises."""
         try:
-            return self._plan_allocation(num_tokens, slot) is not None
+            return self._plan_allocation(num_tokens, slot, keep=0) is not None
         except ValueError:
             return False
 
-    def allocate(self, num_tokens: int, slot: int | None = None) -> int | None:
+    def allocate(self, num_tokens: int, slot: int | None = None, keep: int = 0) -> int | None:
         """A slot sized for `num_tokens`, or None when no slot or memory is left.
 
         Takes the idle slot whose mapped pages best fit the request (or the
         idle `slot` asked for), so a slot that already covers it needs no map
-        call; reclaims other idle slots' pages if memory is short.
+        call; reclaims other idle slots' pages if memory is short.  With
+        `keep`, the idle `slot`'s first `keep` tokens, written by its previous
+        owner and still mapped (see `retained`), count as written: a request
+        with the same prefix resumes them (prefix caching).
         """
-        plan = self._plan_allocation(num_tokens, slot)
+        plan = self._plan_allocation(num_tokens, slot, keep)
         if plan is None:
             return None
         slot, missing = plan
         self._make_room(missing, exclude=slot)
         self._extend({slot: missing})
-        self._slots[slot].tokens = num_tokens
+        s = self._slots[slot]
+        s.tokens, s.written = num_tokens, [keep] * self.config.num_layers
         return slot
 
-    def _plan_allocation(self, num_tokens: int, slot: int | None) -> tuple[int, int] | None:
+    def _plan_allocation(self, num_tokens: int, slot: int | None, keep: int) -> tuple[int, int] | None:
         self._check_tokens(num_tokens)
         need = self.config.pages_for(num_tokens)
         if slot is None:
+            if keep:
+                raise ValueError("keep needs the idle slot whose tokens are kept")
             slot = self._best_idle_slot(key=lambda n: (n < need, n if n >= need else -n))
             if slot is None:
                 return None
         else:
             self._check_idle(slot)
+            if not isinstance(keep, int) or not 0 <= keep <= min(num_tokens, self.retained(slot)):
+                raise ValueError(f"keep={keep!r} must be an int in [0, {min(num_tokens, self.retained(slot))}]: "
+                                 f"slot {slot} still maps {self.retained(slot)} tokens and is allocated for "
+                                 f"{num_tokens}")
         missing = max(0, need - len(self._slots[slot].pages))
         return (slot, missing) if self._has_room(missing, exclude=slot) else None
+
+    def retained(self, slot: int) -> int:
+        """Tokens an idle slot's mapped pages still hold of what its last owner
+        wrote, at most (idle pages are cut from the tail under pressure)."""
+        self._check_idle(slot)
+        return len(self._slots[slot].pages) * self.config.page_size // self.config.token_bytes
+
+    def available_pages(self) -> int:
+        """Page groups free or reclaimable from idle slots."""
+        return self.pool.num_free + sum(len(s.pages) for s in self._slots if not s.active)
 
     def _best_idle_slot(self, key) -> int | None:
         """The idle slot whose mapped page count minimises `key`."""
@@ -185,6 +205,16 @@ class VirtualKVCache:
         first_shared = next((j for j in range(s.shared_pages) if self.pool.refs[s.pages[j]] > 1), len(s.pages))
         self._truncate(slot, first_shared)
         self._make_idle(s)
+
+    def shrink(self, slots: Sequence[int]) -> int:
+        """Unmap, in one call, each active slot's pages past those its size
+        needs (a reused idle slot may hold more than its new request).
+        Returns the page groups freed."""
+        cuts = {slot: self.config.pages_for(self._active(slot).tokens) for slot in slots}
+        freed = self._drop([(slot, j) for slot, keep in cuts.items() for j in range(keep, len(self._slots[slot].pages))])
+        for slot, keep in cuts.items():
+            del self._slots[slot].pages[keep:]
+        return freed
 
     def trim(self) -> int:
         """Reclaim every idle page and give the memory of all free pages back
@@ -302,8 +332,7 @@ class VirtualKVCache:
 
     def swap_in(self, swapped: SwappedSlot) -> int | None:
         """Restore a swapped-out slot (byte-exact) into a slot, or None if it does not fit."""
-        if self._swapped.get(swapped.key) is not swapped:
-            raise ValueError("this SwappedSlot was not swapped out of this cache, or was already swapped in")
+        self._check_swapped(swapped)
         slot = self.allocate(swapped.tokens)
         if slot is None:
             return None
@@ -311,6 +340,11 @@ class VirtualKVCache:
         self._slots[slot].written = list(swapped.written)
         del self._swapped[swapped.key]
         return slot
+
+    def discard(self, swapped: SwappedSlot) -> None:
+        """Forget a swapped-out slot that will not come back (its request ended)."""
+        self._check_swapped(swapped)
+        del self._swapped[swapped.key]
 
     # ------------------------------------------------------------ data
 
@@ -556,6 +590,10 @@ class VirtualKVCache:
         if not _valid_tokens(num_tokens, self.config.max_seq_len):
             raise ValueError(f"token count must be an int in [1, max_seq_len={self.config.max_seq_len}], "
                              f"got {num_tokens!r}")
+
+    def _check_swapped(self, swapped: SwappedSlot) -> None:
+        if self._swapped.get(swapped.key) is not swapped:
+            raise ValueError("this SwappedSlot was not swapped out of this cache, or was already swapped in")
 
     def _check_layer(self, layer: int) -> None:
         if not isinstance(layer, int) or not 0 <= layer < self.config.num_layers:

@@ -39,6 +39,12 @@ def generate(args) -> None:
     generate.run(args.prompt, args.max_new_tokens, args.num_beams, args.cache)
 
 
+def demo(args) -> None:
+    from vattn import demo
+
+    demo.run(args.num_prompts, args.max_tokens, args.show, args.json)
+
+
 def bench(args) -> None:
     if args.what == "vmm":
         from vattn.bench import vmm
@@ -48,6 +54,17 @@ def bench(args) -> None:
         from vattn.bench import hf
 
         hf.run(args.json, batches=args.batches, new_tokens=args.new_tokens, attn=args.attn)
+    elif args.what == "engine":
+        from vattn.bench import engine
+
+        engine.run(args.json, num_prompts=args.num_prompts, max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs)
+    elif args.what == "soak":
+        from vattn.bench import soak
+
+        soak.run(args.json, num_requests=args.requests)
+
+
+DEMO_PROMPTS, DEMO_MAX_TOKENS = 32, 64
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,8 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-beams", type=int, default=1)
     p.add_argument("--cache", choices=CACHES, default="vattn")
     p.set_defaults(func=generate)
+    p = commands.add_parser("demo", help="SmolLM2 serves real ShareGPT prompts through the engine")
+    p.add_argument("--num-prompts", type=int, default=DEMO_PROMPTS)
+    p.add_argument("--max-tokens", type=int, default=DEMO_MAX_TOKENS, help="cap on each answer's length")
+    p.add_argument("--show", type=int, default=3, help="prompts to print with their answers")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    p.set_defaults(func=demo)
     p = commands.add_parser("bench", help="benchmarks")
-    p.add_argument("what", choices=["vmm", "hf"])
+    p.add_argument("what", choices=["vmm", "hf", "engine", "soak"])
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--repeats", type=int, default=15, help="runs per measurement (median reported)")
     p.add_argument("--steps", type=int, default=512, help="vmm: decode steps to time")
@@ -71,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="hf: batch sizes")
     p.add_argument("--attn", choices=["sdpa", "vattn_sdpa", "eager"], default="sdpa",
                    help="hf: attention implementation for every cache")
+    p.add_argument("--num-prompts", type=int, default=128, help="engine: ShareGPT prompts")
+    p.add_argument("--max-tokens", type=int, default=128, help="engine: cap on each answer's length")
+    p.add_argument("--max-num-seqs", type=int, default=16, help="engine: sequences running at once")
+    p.add_argument("--requests", type=int, default=2000, help="soak: requests per preemption mode")
     p.set_defaults(func=bench)
     args = parser.parse_args(argv)
     args.func(args)

@@ -17,6 +17,17 @@ from vattn.cache import VirtualKVCache
 from vattn.config import CacheConfig
 
 
+def cache_config_for(model, **settings) -> CacheConfig:
+    """A `CacheConfig` with the layers, KV heads, head size, dtype and device of
+    a transformers model; `settings` give the rest."""
+    c = model.config.get_text_config()
+    heads = c.num_attention_heads
+    return CacheConfig(num_layers=c.num_hidden_layers,
+                       num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+                       head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+                       dtype=model.dtype, device=str(model.device), **settings)
+
+
 class KVMemoryError(MemoryError):
     """The cache's memory budget cannot hold what the model asked to store."""
 
@@ -69,14 +80,8 @@ class VAttnCache(Cache):
         rows are contiguous, as transformers' own caches do; on the host any
         multiple of 4 KiB is a page, and 16 KiB keeps the granularity near 128
         tokens for 64-dim bfloat16 heads."""
-        c = model.config.get_text_config()
-        heads = c.num_attention_heads
-        return cls(CacheConfig(
-            num_layers=c.num_hidden_layers,
-            num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-            dtype=model.dtype, max_batch=max_batch, max_seq_len=max_seq_len, page_size=page_size,
-            layout=layout, memory_budget=memory_budget, device=str(model.device)))
+        return cls(cache_config_for(model, max_batch=max_batch, max_seq_len=max_seq_len, layout=layout,
+                                    page_size=page_size, memory_budget=memory_budget))
 
     # ------------------------------------------------------------ the model's writes
 

@@ -13,6 +13,9 @@ from pathlib import Path
 import torch
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
+# The engine batches many tokens per forward: on CPUs without bfloat16 matrix units (AVX2 here) float32
+# matmuls run several times faster than bfloat16 ones at batch > 1 (88 vs 15 GFLOP/s at 256 rows).
+ENGINE_DTYPE = torch.float32
 
 
 def cache_dir() -> Path:

@@ -1,0 +1,275 @@
+"""The serving engine: outputs equal HF generate(), under pressure too;
+sharing, prefix caching, abort, failures and bad input leave the pool whole."""
+import pytest
+import torch
+from tiny_models import SMALL, TINY, tiny_model
+from transformers import GenerationConfig
+
+from vattn import SamplingParams
+from vattn.bench.soak import pool_is_whole, soak
+from vattn.engine import LLMEngine
+from vattn.engine.request import Status
+
+PROMPT_LENS = (3, 17, 40, 9, 70, 33)
+EOS = SMALL["eos_token_id"]
+
+
+def prompts(lens=PROMPT_LENS, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, EOS, (n,), generator=g).tolist() for n in lens]
+
+
+def hf_greedy(model, prompt, max_tokens, ignore_eos=False):
+    """HF generate()'s greedy tokens for one prompt, ending at EOS as the engine does (or
+    not: an EOS id no token has)."""
+    eos = model.config.vocab_size if ignore_eos else model.generation_config.eos_token_id
+    config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         generation_config=config)
+    return out[0, len(prompt):].tolist()
+
+
+def engine_for(model, **settings):
+    settings = dict(page_size=4096, max_num_seqs=4, max_num_batched_tokens=32, max_seq_len=160) | settings
+    return LLMEngine(model, **settings)
+
+
+def run(engine, reqs) -> list[list[list[int]]]:
+    """Token ids of every sample of every request, in the order given."""
+    ids = [engine.add_request(p, params) for p, params in reqs]
+    done = {o.request_id: o for o in engine.stream() if o.finished}
+    assert pool_is_whole(engine)
+    return [[c.token_ids for c in done[i].outputs] for i in ids]
+
+
+def greedy(max_tokens=40, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
+
+
+# a page group of the SMALL models: per_head, 8 buffers of 64 tokens (16 fp32 dims, 4 KiB pages);
+# per_layer, 4 buffers of 32 tokens
+GROUP = 8 * 4096
+PER_LAYER_GROUP = 4 * 4096
+
+
+@pytest.fixture(scope="module", params=list(TINY))
+def tiny(request):
+    model = tiny_model(request.param, "sdpa")
+    reference = [hf_greedy(model, p, 40) for p in prompts()]
+    return model, reference
+
+
+@pytest.mark.parametrize("layout", ["per_head", "per_layer", "interleaved"])
+def test_mixed_batch_equals_hf_generate(tiny, layout):
+    model, reference = tiny
+    engine = engine_for(model, layout=layout)
+    assert run(engine, [(p, greedy()) for p in prompts()]) == [[r] for r in reference]
+    assert engine.stats.preemptions == 0 and max(engine.stats.tokens) > 1  # prefill and decode mixed
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_outputs(tiny, mode):
+    model, reference = tiny
+    engine = engine_for(model, layout="per_layer", memory_budget=4 * PER_LAYER_GROUP, preemption_mode=mode)
+    assert run(engine, [(p, greedy()) for p in prompts()]) == [[r] for r in reference]
+    assert engine.stats.preemptions > 0
+
+
+def test_map_ahead_and_prefix_caching_change_no_output(tiny):
+    model, reference = tiny
+    for settings in (dict(map_ahead=False), dict(enable_prefix_caching=False), dict(max_num_batched_tokens=7)):
+        assert run(engine_for(model, **settings), [(p, greedy()) for p in prompts()]) == [[r] for r in reference]
+
+
+# ---------------------------------------------------------------- SmolLM2
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from vattn.models import load_smollm2
+    from vattn.sharegpt import chat_prompt
+
+    model, tokenizer = load_smollm2(dtype=torch.float32)  # exact: bfloat16 kernels round differently
+    texts = ["What is the capital of France?", "Name three colours.", "Say hi.",
+             "Write one sentence about the sea, the moon and the tides that link them."]
+    chats = [chat_prompt(tokenizer, t) for t in texts]
+    reference = [hf_greedy(model, p, 40, ignore_eos=True) for p in chats]
+    return model, tokenizer, chats, reference
+
+
+SMOLLM2_GROUP = 180 * 8192  # 30 layers × K/V × 3 heads, 8 KiB pages of 32 fp32 tokens
+
+
+@pytest.mark.parametrize("settings", [{}, dict(memory_budget=6 * SMOLLM2_GROUP, preemption_mode="recompute"),
+                                      dict(memory_budget=6 * SMOLLM2_GROUP, preemption_mode="swap")],
+                         ids=["roomy", "recompute", "swap"])
+def test_smollm2_equals_hf_generate(smollm2, settings):
+    model, tokenizer, chats, reference = smollm2
+    # prompts of 33-46 tokens take 2 page groups each; they grow into a third
+    engine = LLMEngine(model, tokenizer, max_num_batched_tokens=48, **settings)
+    assert run(engine, [(p, greedy(40, ignore_eos=True)) for p in chats]) == [[r] for r in reference]
+    assert (engine.stats.preemptions > 0) == bool(settings)
+
+
+def test_smollm2_text_stop_strings_and_streaming(smollm2):
+    model, tokenizer, chats, reference = smollm2
+    engine = LLMEngine(model, tokenizer)
+    rid = engine.add_request(chats[0], greedy(16, stop=["Paris"]))
+    streamed, outs = [], list(engine.stream())
+    for o in outs:
+        streamed += o.outputs[0].new_token_ids
+    final = outs[-1].outputs[0]
+    assert outs[-1].request_id == rid and final.token_ids == streamed
+    assert final.finish_reason == "stop" and "Paris" not in final.text and final.text.strip().startswith("The capital")
+    assert tokenizer.decode(reference[0], skip_special_tokens=True).startswith(final.text)
+    assert pool_is_whole(engine)
+
+
+# ---------------------------------------------------------------- sharing
+
+def test_parallel_samples_share_the_prompt_and_match_lone_runs():
+    model = tiny_model("llama", "sdpa")
+    prompt = prompts([70])[0]
+    engine = engine_for(model, max_num_batched_tokens=128)
+    [samples] = run(engine, [(prompt, SamplingParams(max_tokens=20, temperature=0.8, seed=5, n=3))])
+    lone_pages = 0
+    for i, sample in enumerate(samples):
+        lone = engine_for(model, max_num_batched_tokens=128)
+        assert run(lone, [(prompt, SamplingParams(max_tokens=20, temperature=0.8, seed=5 + i))]) == [[sample]]
+        lone_pages += lone.stats.peak_pages
+    assert len({tuple(s) for s in samples}) == 3
+    assert engine.stats.peak_pages < lone_pages
+
+
+def test_prefix_cache_skips_the_shared_prompt():
+    model = tiny_model("llama", "sdpa")
+    system, a, b = prompts([100, 9, 12])
+    expected = [hf_greedy(model, system + q, 12) for q in (a, b)]
+    engine = engine_for(model, max_num_batched_tokens=128)
+    assert run(engine, [(system + a, greedy(12))]) == [[expected[0]]]
+    before = sum(engine.stats.tokens)
+    rid = engine.add_request(system + b, greedy(12))
+    outs = list(engine.stream())
+    assert outs[-1].request_id == rid and outs[-1].outputs[0].token_ids == expected[1]
+    assert outs[-1].metrics.num_cached_tokens == 64  # one 64-token block
+    assert sum(engine.stats.tokens) - before == len(system + b) - 64 + 11  # prefill of the rest, then decode
+    assert engine.prefix.hit_tokens == 64 and pool_is_whole(engine)
+
+
+def test_prefix_cache_hits_a_running_request_and_respects_salts():
+    model = tiny_model("llama", "sdpa")
+    system, a, b, c = prompts([70, 5, 6, 7])
+    expected = [hf_greedy(model, system + q, 20) for q in (a, b, c)]
+    engine = engine_for(model, max_num_batched_tokens=128)
+    first = engine.add_request(system + a, greedy(20), cache_salt="tenant-1")
+    engine.step()  # the first request's prompt is in the cache, and it keeps running
+    same = engine.add_request(system + b, greedy(20), cache_salt="tenant-1")
+    other = engine.add_request(system + c, greedy(20), cache_salt="tenant-2")
+    done = {o.request_id: o for o in engine.stream() if o.finished}
+    assert [done[r].outputs[0].token_ids for r in (first, same, other)] == expected
+    assert done[same].metrics.num_cached_tokens == 64 and done[other].metrics.num_cached_tokens == 0
+    assert pool_is_whole(engine)
+
+
+# ---------------------------------------------------------------- failures and bad input
+
+def test_abort_mid_generation_leaves_the_others_alone(tiny):
+    model, reference = tiny
+    engine = engine_for(model)
+    ids = [engine.add_request(p, greedy()) for p in prompts()]
+    done = {}
+    for _ in range(6):
+        done |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+    running, waiting = ids[2], ids[5]
+    assert engine.requests[running].status is Status.RUNNING and engine.requests[waiting].status is Status.WAITING
+    engine.abort(running)
+    engine.abort(waiting)
+    engine.cache.check()
+    done |= {o.request_id: o.outputs[0].token_ids for o in engine.stream() if o.finished}
+    assert set(done) == set(ids) - {running, waiting}
+    assert all(done[i] == r for i, r in zip(ids, reference) if i in done)
+    assert pool_is_whole(engine)
+    with pytest.raises(ValueError, match="no request"):
+        engine.abort(running)
+
+
+def test_abort_a_swapped_request():
+    model = tiny_model("llama", "sdpa")
+    engine = engine_for(model, layout="per_layer", memory_budget=4 * PER_LAYER_GROUP, preemption_mode="swap")
+    ids = [engine.add_request(p, greedy()) for p in prompts()]
+    while not engine.scheduler.swapped:
+        engine.step()
+    engine.abort(engine.scheduler.swapped[0].request_id)
+    list(engine.stream())
+    assert pool_is_whole(engine) and not engine.requests
+    assert len(ids) == 6
+
+
+def test_a_failing_forward_changes_nothing(tiny, monkeypatch):
+    model, reference = tiny
+    engine = engine_for(model)
+    ids = [engine.add_request(p, greedy()) for p in prompts()]
+    mlp = model.model.layers[1].mlp
+    calls = {"n": 0}
+    original = type(mlp).forward
+
+    def flaky(self, x):
+        calls["n"] += 1
+        if calls["n"] in (5, 9):
+            raise RuntimeError("injected failure")
+        return original(self, x)
+
+    monkeypatch.setattr(type(mlp), "forward", flaky)
+    done, failures = {}, 0
+    while engine.has_unfinished_requests():
+        try:
+            outs = engine.step()
+        except RuntimeError as e:
+            assert "injected" in str(e)
+            failures += 1
+            engine.cache.check()
+            continue
+        done |= {o.request_id: o.outputs[0].token_ids for o in outs if o.finished}
+    assert failures == 2
+    assert [done[i] for i in ids] == reference
+    assert pool_is_whole(engine)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda e: e.add_request([], greedy()), "empty"),
+    (lambda e: e.add_request([5] * 160, greedy()), "max_seq_len"),
+    (lambda e: e.add_request([5, 6], SamplingParams(n=5)), "max_num_seqs"),
+    (lambda e: e.add_request([5, 500], greedy()), "token ids"),
+    (lambda e: e.add_request("text", greedy()), "tokenizer"),
+    (lambda e: e.add_request([5, 6], "greedy"), "SamplingParams"),
+    (lambda e: e.add_request([5, 6], greedy(), request_id="0"), "already"),
+    (lambda e: e.abort("nope"), "no request"),
+    (lambda e: SamplingParams(max_tokens=0), "max_tokens"),
+    (lambda e: SamplingParams(max_tokens=-3), "max_tokens"),
+    (lambda e: SamplingParams(top_p=0), "top_p"),
+    (lambda e: SamplingParams(temperature=-1), "temperature"),
+])
+def test_bad_input_is_refused_and_the_engine_keeps_serving(call, message):
+    model = tiny_model("llama", "sdpa")
+    engine = engine_for(model)
+    engine.add_request([7, 8, 9], greedy(5), request_id="0")
+    engine.step()
+    with pytest.raises((ValueError, TypeError), match=message):
+        call(engine)
+    rid = engine.add_request([10, 11], greedy(5))
+    done = {o.request_id for o in engine.stream() if o.finished}
+    assert done == {"0", rid} and pool_is_whole(engine)
+
+
+def test_memory_budget_too_small_for_a_request():
+    engine = engine_for(tiny_model("llama", "sdpa"), memory_budget=GROUP)
+    with pytest.raises(ValueError, match="memory budget"):
+        engine.add_request(prompts([70])[0], greedy(40))
+
+
+# ---------------------------------------------------------------- soak
+
+@pytest.mark.parametrize("num_requests", [150, pytest.param(2000, marks=pytest.mark.slow)])
+def test_soak(num_requests):
+    for row in soak(num_requests):
+        assert row["mismatches"] == 0 and row["pool_whole"], row
+        assert row["preemptions"] >= num_requests // 20, row

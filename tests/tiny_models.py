@@ -1,0 +1,19 @@
+"""Tiny random models of the architectures the cache and engine are checked on."""
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=95, bos_token_id=1)
+TINY = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 8}),  # generations pass the window
+}
+
+
+def tiny_model(arch, attn):
+    config_cls, model_cls, extra = TINY[arch]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**SMALL, **extra)).eval()
+    model.set_attn_implementation(attn)
+    return model

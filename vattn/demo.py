@@ -1,0 +1,33 @@
+"""`vattn demo`: SmolLM2 serves real ShareGPT prompts through the engine."""
+from rich.console import Console
+from rich.panel import Panel
+
+from vattn.bench.engine import figure_rows, serve, workload
+from vattn.bench.report import print_table, write_json
+
+
+def run(num_prompts: int, max_tokens: int, show: int, json_path: str | None = None) -> dict:
+    from vattn import LLM
+    from vattn.models import ENGINE_DTYPE, load_smollm2
+
+    model, tokenizer = load_smollm2(dtype=ENGINE_DTYPE)
+    requests, prompts, params = workload(tokenizer, num_prompts, max_tokens)
+    llm = LLM(model, tokenizer)
+    outputs, figures = serve(llm, prompts, params)
+    llm.engine.close()
+    console = Console()
+    for req, out in list(zip(requests, outputs))[:show]:
+        answer = out.outputs[0].text.strip()
+        console.print(Panel(f"[bold]{_clip(req.prompt, 300)}[/bold]\n\n{_clip(answer, 500)}",
+                            title=f"request {out.request_id}: {len(out.prompt_token_ids)} prompt tokens, "
+                                  f"{len(out.outputs[0].token_ids)} generated ({out.outputs[0].finish_reason})",
+                            title_align="left"))
+    print_table(f"vattn demo: {len(outputs)} ShareGPT prompts on SmolLM2-135M-Instruct", ["", ""],
+                figure_rows(figures))
+    write_json(json_path, figures)
+    return figures
+
+
+def _clip(text: str, n: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[:n - 1] + "…"

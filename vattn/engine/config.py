@@ -1,0 +1,37 @@
+"""Engine settings (vLLM's names where they exist)."""
+from dataclasses import dataclass
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """`max_num_seqs` sequences run at once, one cache slot each;
+    `max_num_batched_tokens` bounds the tokens of one forward (decode tokens
+    first, then prefill chunks).  `memory_budget` is the KV memory in bytes
+    (default: every slot at `max_seq_len`).  A request is admitted only while
+    `watermark` of the pages would stay free or reclaimable.  `map_ahead`
+    maps the pages the next step needs on a background thread while the
+    current step computes."""
+
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 256
+    max_seq_len: int = 2048
+    memory_budget: int | None = None
+    page_size: int = 8 << 10
+    layout: str = "per_head"
+    preemption_mode: str = "recompute"
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01
+    map_ahead: bool = True
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"EngineConfig.preemption_mode must be one of {PREEMPTION_MODES}, "
+                             f"got {self.preemption_mode!r}")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")

@@ -1,0 +1,254 @@
+"""The serving engine: requests in, tokens out, one scheduler step at a time.
+
+Drives an unmodified transformers model: its attention is swapped for
+`vattn.attention` (which writes K/V into the virtual cache and reads live rows
+only), the model is called with `use_cache=False`, one flat batch per step,
+and the logits of the sequences that sample come back.
+"""
+import itertools
+import time
+from collections.abc import Iterator
+
+import torch
+
+from vattn import attention
+from vattn.cache import VirtualKVCache
+from vattn.engine.config import EngineConfig
+from vattn.engine.map_worker import MapWorker
+from vattn.engine.metrics import EngineStats
+from vattn.engine.prefix_cache import PrefixCache
+from vattn.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
+from vattn.engine.sampler import sample
+from vattn.engine.scheduler import Scheduler, Work
+from vattn.hf import cache_config_for
+from vattn.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, **settings):
+        """`model`: a transformers causal LM (its attention implementation is
+        switched to vattn's); `tokenizer` for text prompts, stop strings and
+        output text; settings: `EngineConfig` fields."""
+        self.config = config = config or EngineConfig(**settings)
+        attention.register()
+        model.set_attn_implementation(attention.NAME)
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.cache = VirtualKVCache(cache_config_for(
+            model, max_batch=config.max_num_seqs, max_seq_len=config.max_seq_len, layout=config.layout,
+            page_size=config.page_size, memory_budget=config.memory_budget))
+        c = self.cache.config
+        self.prefix = PrefixCache(max(1, c.page_size // c.token_bytes)) if config.enable_prefix_caching else None
+        self.scheduler = Scheduler(config, self.cache, self.prefix)
+        self.worker = MapWorker() if config.map_ahead else None
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self._vocab = model.config.get_text_config().vocab_size
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+        """Queue a request (text, or token ids); returns its id."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id is None:
+            request_id = next(i for i in map(str, self._ids) if i not in self.requests)
+        request_id = str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} is already in the engine")
+        text, ids = self._tokenize(prompt)
+        limit = self.config.max_seq_len
+        if len(ids) >= limit:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_seq_len={limit} leaves no room for output")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} samples need {params.n} slots; the engine runs max_num_seqs="
+                             f"{self.config.max_num_seqs}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        c = self.cache.config
+        longest = min(len(ids) + params.max_tokens, limit)
+        shared = len(ids) * c.token_bytes // c.page_size  # the samples share the prompt's full pages
+        need = shared + params.n * (c.pages_for(longest) - shared)
+        if need > self.cache.pool.num_pages:
+            raise ValueError(f"the request may need {need} page groups; the memory budget holds "
+                             f"{self.cache.pool.num_pages}")
+        req = Request(request_id, text, ids, params, cache_salt)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now; its pages go back (idle, for reuse)."""
+        req = self.requests.get(str(request_id))
+        if req is None:
+            raise ValueError(f"no request {request_id!r} in the engine (unknown, or already finished)")
+        self._wait_for_mapping()
+        self.scheduler.abort(req)
+        del self.requests[req.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def stream(self) -> Iterator[RequestOutput]:
+        """Run until every request is done, yielding each request's output
+        whenever it has new tokens (`CompletionOutput.new_token_ids`)."""
+        while self.has_unfinished_requests():
+            yield from self.step()
+
+    # ------------------------------------------------------------ a step
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward, sample; outputs of requests with new tokens."""
+        start = time.perf_counter()
+        mapped_before = self.scheduler.map_seconds
+        work = self.scheduler.schedule()
+        if not work:
+            if self.scheduler.has_unfinished:
+                raise RuntimeError("no request could be scheduled (the token budget or memory is too small)")
+            return []
+        work.sort(key=lambda item: item[2] != 1)  # single tokens first: they take the batched decode path
+        batch = attention.StepBatch(
+            self.cache, [seq.slot for _, seq, n in work if n == 1],
+            [seq.num_computed_tokens for _, seq, n in work if n == 1],
+            [(seq.slot, seq.num_computed_tokens, n) for _, seq, n in work if n != 1])
+        self._page_work(work)
+        try:
+            logits = self._forward(work, batch)
+        finally:
+            waited = self._wait_for_mapping()
+        st = self.cache.stats()
+        held = st.mapped_bytes - st.pages_idle * self.cache.config.page_size
+        outputs = self._postprocess(work, logits)
+        self.stats.record(time.perf_counter() - start, self.scheduler.map_seconds - mapped_before + waited,
+                          batch.num_tokens, st.live_bytes / held if held else 0.0, st.pages_mapped)
+        self.stats.preemptions = self.scheduler.preemptions
+        self.stats.prefix_hit_rate = self.prefix.hit_rate if self.prefix else 0.0
+        self.stats.background_map_seconds = self.worker.busy_seconds if self.worker else 0.0
+        return outputs
+
+    def _forward(self, work: Work, batch: attention.StepBatch) -> torch.Tensor:
+        ids, rows = [], []
+        for _, seq, n in work:
+            start = seq.num_computed_tokens
+            ids += seq.token_ids[start:start + n]
+            if start + n == len(seq.token_ids):
+                rows.append(len(ids) - 1)
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([batch.positions()]),
+                             use_cache=False, logits_to_keep=torch.tensor(rows or [len(ids) - 1]),
+                             vattn_batch=batch)
+        return out.logits[0]
+
+    def _page_work(self, work: Work) -> None:
+        """Unmap what newly given slots hold past their size, and map the page
+        each sampling sequence needs for the token it feeds next step: on the
+        worker while this step computes, or here and now without one."""
+        cache, targets = self.cache, {}
+        for _, seq, n in work:
+            nxt = len(seq.token_ids) + 1
+            if seq.num_computed_tokens + n == len(seq.token_ids) and nxt <= self.config.max_seq_len \
+                    and cache.capacity(seq.slot) < nxt:
+                targets[seq.slot] = nxt
+        active = set(cache.active_slots)  # a slot given out may have been let go again
+        slots = [s for s in self.scheduler.new_slots
+                 if s in active and cache.mapped_pages(s) > cache.config.pages_for(cache.capacity(s))]
+        if not (targets or slots):
+            return
+
+        def job():
+            cache.shrink(slots)
+            cache.grow_many(targets)
+
+        if self.worker:
+            self.worker.submit(job)
+        else:
+            self.scheduler.timed(job)
+
+    def _wait_for_mapping(self) -> float:
+        return self.worker.wait() if self.worker else 0.0
+
+    def _postprocess(self, work: Work, logits: torch.Tensor) -> list[RequestOutput]:
+        now = time.perf_counter()
+        row, new = 0, {}  # request -> {sample index: new token}
+        for req, seq, n in work:
+            seq.num_computed_tokens += n
+            if self.prefix:
+                self.prefix.register(seq.slot, seq.token_ids, seq.num_computed_tokens, req.cache_salt)
+            if seq.num_computed_tokens < len(seq.token_ids):
+                continue
+            seqs = [seq]
+            if len(req.seqs) < req.params.n:  # the prompt is done: the other samples fork from it
+                seqs += self.scheduler.fork(req, seq)
+            for s in seqs:
+                s.token_ids.append(sample(logits[row], req.params, s.generator))
+                new.setdefault(req, {})[s.index] = s.token_ids[-1]
+                self._check_stop(req, s)
+            row += 1
+        outputs = []
+        for req, tokens in new.items():
+            req.token_times.append(now)
+            for s in req.seqs:
+                if s.index in tokens and s.finished:
+                    self.scheduler.finish(req, s)
+            if req.finished:
+                req.finish_time = now
+                del self.requests[req.request_id]
+            outputs.append(self._output(req, tokens))
+        return outputs
+
+    def _check_stop(self, req: Request, seq: Sequence) -> None:
+        p, token = req.params, seq.token_ids[-1]
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            seq.finish_reason = "stop"
+        elif p.stop and (cut := _stop_cut(self._text(seq.output_ids), p.stop)) is not None:
+            seq.finish_reason, seq.stop_at = "stop", cut
+        elif len(seq.output_ids) >= p.max_tokens or len(seq.token_ids) >= self.config.max_seq_len:
+            seq.finish_reason = "length"
+
+    def _output(self, req: Request, new: dict[int, int]) -> RequestOutput:
+        completions = [CompletionOutput(s.index, self._text(s.output_ids)[:s.stop_at], s.output_ids,
+                                        s.finish_reason, [new[s.index]] if s.index in new else [])
+                       for s in req.seqs]
+        metrics = RequestMetrics(req.arrival_time, req.token_times[0], req.finish_time, req.token_times,
+                                 len(req.prompt_token_ids), req.num_cached_tokens)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished, metrics)
+
+    # ------------------------------------------------------------ text
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            ids = self.tokenizer(prompt)["input_ids"]
+            text = prompt
+        else:
+            ids, text = list(prompt), None
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self._vocab for t in ids):
+                raise ValueError(f"prompt token ids must be ints in [0, {self._vocab})")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return text, ids
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def close(self) -> None:
+        if self.worker:
+            self.worker.close()
+
+
+def _stop_cut(text: str, stops: list[str]) -> int | None:
+    """Where the first stop string starts in `text`, if any."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

@@ -1,0 +1,64 @@
+"""What the engine measures as it runs, and the latency figures `vllm bench` prints."""
+import statistics
+from dataclasses import dataclass, field
+
+from vattn.engine.request import RequestOutput
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    step_seconds: list[float] = field(default_factory=list)
+    map_seconds: list[float] = field(default_factory=list)  # mapping on the step's critical path
+    tokens: list[int] = field(default_factory=list)  # tokens computed per step
+    utilization: list[float] = field(default_factory=list)  # live / mapped by running requests, per step
+    peak_pages: int = 0  # physical pages mapped at the busiest step
+    preemptions: int = 0
+    prefix_hit_rate: float = 0.0
+    background_map_seconds: float = 0.0
+
+    def record(self, seconds: float, map_seconds: float, tokens: int, utilization: float, pages: int) -> None:
+        self.steps += 1
+        self.step_seconds.append(seconds)
+        self.map_seconds.append(map_seconds)
+        self.tokens.append(tokens)
+        self.utilization.append(utilization)
+        self.peak_pages = max(self.peak_pages, pages)
+
+    @property
+    def kv_utilization(self) -> float:
+        """Live bytes / mapped bytes, averaged over time (each step weighted by its duration)."""
+        total = sum(self.step_seconds)
+        return sum(u * t for u, t in zip(self.utilization, self.step_seconds)) / total if total else 0.0
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    """{mean, median, p99} of `values` (zeros if there are none)."""
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    return {"mean": statistics.fmean(values), "median": statistics.median(values), "p99": p99}
+
+
+def latency_report(outputs: list[RequestOutput], seconds: float) -> dict:
+    """vllm-bench figures for finished requests served in `seconds` (times in ms)."""
+    ms = 1e3
+    ttft, tpot, itl, e2el, out_tokens = [], [], [], [], 0
+    for o in outputs:
+        m = o.metrics
+        out_tokens += sum(len(c.token_ids) for c in o.outputs)
+        ttft.append((m.first_token_time - m.arrival_time) * ms)
+        e2el.append((m.finish_time - m.arrival_time) * ms)
+        gaps = [(b - a) * ms for a, b in zip(m.token_times, m.token_times[1:])]
+        itl += gaps
+        if gaps:
+            tpot.append(sum(gaps) / len(gaps))
+    return {
+        "requests": len(outputs),
+        "output_tokens": out_tokens,
+        "seconds": seconds,
+        "req_per_s": len(outputs) / seconds if seconds else 0.0,
+        "output_tok_per_s": out_tokens / seconds if seconds else 0.0,
+        "ttft_ms": summary(ttft), "tpot_ms": summary(tpot), "itl_ms": summary(itl), "e2el_ms": summary(e2el),
+    }

@@ -1,0 +1,22 @@
+"""Next-token choice: greedy, or temperature / top-k / top-p sampling from
+each sequence's own generator (so a seeded sample does not depend on what
+else is in the batch)."""
+import torch
+
+from vattn.sampling_params import SamplingParams
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from `logits [vocab]`."""
+    if params.greedy:
+        return int(logits.argmax())
+    logits = logits.float() / params.temperature
+    if 0 < params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs > params.top_p  # keep the smallest set reaching top_p
+        probs = probs.scatter(0, order[outside], 0.0)
+    return int(torch.multinomial(probs, 1, generator=generator))
