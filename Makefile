@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 .PHONY: run test setup clean
 
 run: $(STAMP)
-	$(VENV)/bin/vattn generate
+	$(VENV)/bin/vattn demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

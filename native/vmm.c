@@ -342,9 +342,15 @@ static PyObject *map_pages(PyObject *mod, PyObject *args) {
         }
         i += run;
     }
-    if (err) /* undo every page mapped before the failure */
-        for (Py_ssize_t k = 0; k < i; k++)
-            if (backing(b.res, b.res->addr + b.virt[k], b.page_size)) undo_err = errno;
+    /* Undo every run mapped before the failure, a run at a time: at
+     * vm.max_map_count, backing()'s fallback (unmap, then map the backing into
+     * the hole) then needs no new mapping entry, where page by page it would
+     * split runs into entries there are not. */
+    for (Py_ssize_t k = 0, run; err && k < i; k += run) {
+        run = run_length(b.virt, b.foff, k, i, b.page_size);
+        int e = backing(b.res, b.res->addr + b.virt[k], run * b.page_size);
+        if (e) undo_err = e;
+    }
     Py_END_ALLOW_THREADS
     free_batch(&b);
     if (undo_err) return PyErr_Format(PyExc_SystemError, "could not undo a failed map: %s", strerror(undo_err));

@@ -1,5 +1,10 @@
 """The serving engine: outputs equal HF generate(), under pressure too;
 sharing, prefix caching, abort, failures and bad input leave the pool whole."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from tiny_models import SMALL, TINY, tiny_model
@@ -264,6 +269,53 @@ def test_memory_budget_too_small_for_a_request():
     engine = engine_for(tiny_model("llama", "sdpa"), memory_budget=GROUP)
     with pytest.raises(ValueError, match="memory budget"):
         engine.add_request(prompts([70])[0], greedy(40))
+
+
+MAP_LIMIT_SCRIPT = """
+import torch
+from tiny_models import tiny_model
+from vattn import SamplingParams
+from vattn.backends import HostBackend
+from vattn.bench.soak import pool_is_whole
+from vattn.engine import LLMEngine
+engine = LLMEngine(tiny_model("llama", "sdpa"), page_size=4096, max_num_seqs=4, max_num_batched_tokens=32)
+prompts = [[5 + i] * (3 + 11 * i) for i in range(5)]
+reference = []
+for p in prompts:  # one by one
+    engine.add_request(p, SamplingParams(max_tokens=30, temperature=0))
+    reference += [o.outputs[0].token_ids for o in engine.stream() if o.finished]
+engine.cache.trim()  # no page mapped: the next requests need new mappings
+ids = [engine.add_request(p, SamplingParams(max_tokens=30, temperature=0)) for p in prompts]
+with open("/proc/sys/vm/max_map_count") as f:
+    limit = int(f.read())
+with open("/proc/self/maps") as f:
+    used = sum(1 for _ in f)
+b, page = HostBackend(), 4096
+n = (limit - used - 4) // 2  # every other page: leaves the process 4 mapping entries
+hog, pool = b.reserve(2 * n * page, zero_backed=True), b.create_pool(n, page)
+b.map(hog, pool, [2 * i * page for i in range(n)], range(n))
+try:
+    engine.step()
+except RuntimeError as e:
+    print("REFUSED", e)
+engine.cache.check()
+del hog, pool  # the entries come back
+done = {o.request_id: o.outputs[0].token_ids for o in engine.stream() if o.finished}
+print("EQUAL", [done[i] for i in ids] == reference, "WHOLE", pool_is_whole(engine))
+"""
+
+
+def test_the_mapping_limit_stops_a_step_cleanly():
+    with open("/proc/sys/vm/max_map_count") as f:
+        if int(f.read()) > 70000:
+            pytest.skip("vm.max_map_count is above what this test exhausts")
+    tests = str(Path(__file__).parent)
+    out = subprocess.run([sys.executable, "-c", MAP_LIMIT_SCRIPT], capture_output=True, text=True, timeout=300,
+                         env=os.environ | {"PYTHONPATH": tests})
+    assert out.returncode == 0, out.stderr
+    assert "REFUSED no request could be scheduled: memory is too short (the process is at vm.max_map_count)" \
+        in out.stdout
+    assert "EQUAL True WHOLE True" in out.stdout
 
 
 # ---------------------------------------------------------------- soak

@@ -64,7 +64,7 @@ def bench(args) -> None:
         soak.run(args.json, num_requests=args.requests)
 
 
-DEMO_PROMPTS, DEMO_MAX_TOKENS = 32, 64
+DEMO_PROMPTS, DEMO_MAX_TOKENS = 32, 48
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="hf: batch sizes")
     p.add_argument("--attn", choices=["sdpa", "vattn_sdpa", "eager"], default="sdpa",
                    help="hf: attention implementation for every cache")
-    p.add_argument("--num-prompts", type=int, default=128, help="engine: ShareGPT prompts")
-    p.add_argument("--max-tokens", type=int, default=128, help="engine: cap on each answer's length")
-    p.add_argument("--max-num-seqs", type=int, default=16, help="engine: sequences running at once")
+    p.add_argument("--num-prompts", type=int, default=64, help="engine: ShareGPT prompts")
+    p.add_argument("--max-tokens", type=int, default=64, help="engine: cap on each answer's length")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="engine: sequences running at once")
     p.add_argument("--requests", type=int, default=2000, help="soak: requests per preemption mode")
     p.set_defaults(func=bench)
     args = parser.parse_args(argv)

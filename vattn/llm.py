@@ -3,6 +3,9 @@
     llm = LLM()                                   # SmolLM2-135M-Instruct on the CPU
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
 """
+import time
+from contextlib import contextmanager
+
 from vattn.engine import EngineConfig, LLMEngine, RequestOutput
 from vattn.sampling_params import SamplingParams
 
@@ -47,34 +50,31 @@ class LLM:
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs for chat conversations (`[{"role": ..., "content": ...}]`),
         through the tokenizer's chat template."""
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)
-                   for c in conversations]
-        return self.generate([list(p) for p in prompts], sampling_params, use_tqdm)
+        prompts = [chat_token_ids(self.tokenizer, c) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
 
-class _progress:
-    """A rich progress bar over finished requests, with output tokens/s."""
+def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation through the chat template, ready for the assistant's turn."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return list(ids["input_ids"])
 
-    def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled = total, enabled
 
-    def __enter__(self):
-        import time
+@contextmanager
+def _progress(total: int, enabled: bool):
+    """A progress bar over finished requests, with output tokens/s; yields `advance(output)`."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    bar = Progress(TextColumn("requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("{task.fields[rate]}"), disable=not enabled)
+    task = bar.add_task("", total=total, rate="")
+    start, tokens = time.perf_counter(), 0
 
-        self.start, self.tokens = time.perf_counter(), 0
-        self._time = time.perf_counter
-        self.bar = Progress(TextColumn("requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                            TextColumn("{task.fields[rate]}"), disable=not self.enabled)
-        self.task = self.bar.add_task("", total=self.total, rate="")
-        self.bar.__enter__()
-        return self.advance
+    def advance(out: RequestOutput) -> None:
+        nonlocal tokens
+        tokens += sum(len(c.token_ids) for c in out.outputs)
+        rate = tokens / max(time.perf_counter() - start, 1e-9)
+        bar.update(task, advance=1, rate=f"{rate:.1f} output tok/s")
 
-    def advance(self, out: RequestOutput) -> None:
-        self.tokens += sum(len(c.token_ids) for c in out.outputs)
-        rate = self.tokens / max(self._time() - self.start, 1e-9)
-        self.bar.update(self.task, advance=1, rate=f"{rate:.1f} output tok/s")
-
-    def __exit__(self, *exc):
-        self.bar.__exit__(*exc)
+    with bar:
+        yield advance

@@ -60,6 +60,6 @@ def sample(tokenizer, num_requests: int, seed: int = 0, max_prompt_len: int = 10
 
 def chat_prompt(tokenizer, text: str) -> list[int]:
     """Token ids of `text` as one user turn, ready for the assistant's reply."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                        tokenize=True, return_dict=True)["input_ids"]
-    return list(ids)
+    from vattn.llm import chat_token_ids
+
+    return chat_token_ids(tokenizer, [{"role": "user", "content": text}])

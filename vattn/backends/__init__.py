@@ -1,6 +1,7 @@
 """VMM backends: reserve virtual ranges, own physical pages, map one onto the other."""
 import torch
 
+from vattn._native import MapLimitError  # a backend can map no more pages (the process's mapping limit)
 from vattn.backends.base import Backend
 from vattn.backends.host import HostBackend
 
@@ -13,4 +14,4 @@ def get_backend(device: str | torch.device = "cpu") -> Backend:
     raise ValueError(f"no VMM backend for device {str(device)!r}: this build supports 'cpu'")
 
 
-__all__ = ["Backend", "HostBackend", "get_backend"]
+__all__ = ["Backend", "HostBackend", "MapLimitError", "get_backend"]

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from vattn import attention
+from vattn.backends import MapLimitError
 from vattn.cache import VirtualKVCache
 from vattn.engine.config import EngineConfig
 from vattn.engine.map_worker import MapWorker
@@ -31,6 +32,7 @@ class LLMEngine:
         output text; settings: `EngineConfig` fields."""
         self.config = config = config or EngineConfig(**settings)
         attention.register()
+        self._model_attention = model.config._attn_implementation  # given back by close()
         model.set_attn_implementation(attention.NAME)
         self.model, self.tokenizer = model.eval(), tokenizer
         self.cache = VirtualKVCache(cache_config_for(
@@ -63,9 +65,10 @@ class LLMEngine:
         limit = self.config.max_seq_len
         if len(ids) >= limit:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_seq_len={limit} leaves no room for output")
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={params.n} samples need {params.n} slots; the engine runs max_num_seqs="
-                             f"{self.config.max_num_seqs}")
+        if params.n > min(self.config.max_num_seqs, self.config.max_num_batched_tokens):
+            raise ValueError(f"n={params.n} samples need {params.n} slots and tokens per step; the engine runs "
+                             f"max_num_seqs={self.config.max_num_seqs}, max_num_batched_tokens="
+                             f"{self.config.max_num_batched_tokens}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         c = self.cache.config
@@ -107,7 +110,8 @@ class LLMEngine:
         work = self.scheduler.schedule()
         if not work:
             if self.scheduler.has_unfinished:
-                raise RuntimeError("no request could be scheduled (the token budget or memory is too small)")
+                why = (" (the process is at vm.max_map_count)" if self.scheduler.map_limit_hits else "")
+                raise RuntimeError(f"no request could be scheduled: memory is too short{why}")
             return []
         work.sort(key=lambda item: item[2] != 1)  # single tokens first: they take the batched decode path
         batch = attention.StepBatch(
@@ -125,6 +129,7 @@ class LLMEngine:
         self.stats.record(time.perf_counter() - start, self.scheduler.map_seconds - mapped_before + waited,
                           batch.num_tokens, st.live_bytes / held if held else 0.0, st.pages_mapped)
         self.stats.preemptions = self.scheduler.preemptions
+        self.stats.map_limit_hits = self.scheduler.map_limit_hits
         self.stats.prefix_hit_rate = self.prefix.hit_rate if self.prefix else 0.0
         self.stats.background_map_seconds = self.worker.busy_seconds if self.worker else 0.0
         return outputs
@@ -160,7 +165,10 @@ class LLMEngine:
 
         def job():
             cache.shrink(slots)
-            cache.grow_many(targets)
+            try:
+                cache.grow_many(targets)
+            except MapLimitError:  # the next step maps what it needs, or preempts
+                self.scheduler.map_limit_hits += 1
 
         if self.worker:
             self.worker.submit(job)
@@ -236,8 +244,10 @@ class LLMEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def close(self) -> None:
+        """Stop the mapping thread and give the model its own attention back."""
         if self.worker:
             self.worker.close()
+        self.model.set_attn_implementation(self._model_attention)
 
 
 def _stop_cut(text: str, stops: list[str]) -> int | None:

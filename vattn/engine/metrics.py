@@ -14,6 +14,7 @@ class EngineStats:
     utilization: list[float] = field(default_factory=list)  # live / mapped by running requests, per step
     peak_pages: int = 0  # physical pages mapped at the busiest step
     preemptions: int = 0
+    map_limit_hits: int = 0  # mappings refused at vm.max_map_count (handled like memory being short)
     prefix_hit_rate: float = 0.0
     background_map_seconds: float = 0.0
 

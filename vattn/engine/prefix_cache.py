@@ -54,7 +54,7 @@ class PrefixCache:
                usable: Callable[[int], int]) -> tuple[int, int] | None:
         """(slot, tokens) for the slot holding the longest block-aligned prefix
         of `token_ids`, at most `max_tokens`; `usable(slot)` says how many
-        tokens the slot can still give.  Counts the query in the hit rate."""
+        tokens the slot can still give."""
         B = self.block_tokens
         h, found, alive = hash(salt), None, None
         for i in range(min(max_tokens, len(token_ids)) // B):
@@ -67,9 +67,12 @@ class PrefixCache:
             if not alive:
                 break
             found = (min(alive), end)
-        self.queried_tokens += len(token_ids)
-        self.hit_tokens += found[1] if found else 0
         return found
+
+    def count(self, queried: int, hit: int) -> None:
+        """A prompt of `queried` tokens was served with `hit` of them from the cache."""
+        self.queried_tokens += queried
+        self.hit_tokens += hit
 
     @property
     def hit_rate(self) -> float:

@@ -12,6 +12,7 @@ import bisect
 import time
 from collections.abc import Callable
 
+from vattn.backends import MapLimitError
 from vattn.cache import VirtualKVCache
 from vattn.engine.config import EngineConfig
 from vattn.engine.prefix_cache import PrefixCache
@@ -29,6 +30,7 @@ class Scheduler:
         self.watermark_pages = int(config.watermark * cache.pool.num_pages)
         self.preemptions = 0
         self.map_seconds = 0.0  # spent in cache calls that map pages
+        self.map_limit_hits = 0  # cache calls refused by the process's limit on mappings
         self.new_slots: list[int] = []  # slots given to sequences in the last schedule()
 
     def add(self, req: Request) -> None:
@@ -99,6 +101,9 @@ class Scheduler:
         if not self.timed(self.cache.grow_many, targets):
             self._release(acquired)
             return None
+        if self.prefix:
+            for seq in acquired:  # num_computed_tokens: what the prefix cache gave
+                self.prefix.count(len(seq.token_ids), seq.num_computed_tokens)
         return got
 
     def _acquire(self, req: Request, seq: Sequence, budget: int) -> bool:
@@ -239,9 +244,15 @@ class Scheduler:
         req.status = Status.FINISHED
 
     def timed(self, call: Callable, *args):
+        """A cache call that maps pages, timed.  Running into the process's
+        limit on mappings counts as memory being short: the call changed
+        nothing, and its falsy result makes the scheduler preempt or wait."""
         start = time.perf_counter()
         try:
             return call(*args)
+        except MapLimitError:
+            self.map_limit_hits += 1
+            return None
         finally:
             self.map_seconds += time.perf_counter() - start
 
