@@ -354,3 +354,61 @@ def test_trade_with_every_page_in_use(layout):
     assert cache.share_many({a: b, b: a}, 150)
     assert torch.equal(cache.live_kv(a, 1)[0], db[1][0]) and torch.equal(cache.live_kv(b, 0)[1], da[0][1])
     cache.check()
+
+
+def test_an_idle_slot_resumes_its_previous_tokens(layout):
+    cache = make_cache(layout)
+    c = cache.config
+    slot = cache.allocate(150)
+    data = fill(cache, slot, 150)
+    cache.free(slot)
+    kept = c.pages_for(150) * c.page_size // c.token_bytes
+    assert cache.retained(slot) == kept >= 150
+    assert cache.available_pages() == cache.pool.num_pages  # free + idle: everything
+    calls = cache.map_calls
+    assert cache.allocate(180, slot=slot, keep=100) == slot
+    assert cache.length(slot) == 100 and cache.capacity(slot) == 180
+    k, v = cache.live_kv(slot, 1)
+    assert torch.equal(k, data[1][0][:100]) and torch.equal(v, data[1][1][:100])
+    assert cache.map_calls == calls + (c.pages_for(180) > c.pages_for(150))
+    fill(cache, slot, 5, start=100, seed=3)  # the new owner continues after the kept tokens
+    assert cache.length(slot) == 105
+    cache.check()
+
+
+def test_reclaimed_pages_are_no_longer_retained(layout):
+    c = make_cache(layout).config
+    cache = make_cache(layout, pages=c.pages_for(150) + 1)
+    slot = cache.allocate(150)
+    cache.free(slot)
+    assert cache.allocate(c.page_size // c.token_bytes + 1, slot=slot + 1) is not None  # two pages: one reclaimed
+    assert cache.mapped_pages(slot) == c.pages_for(150) - 1
+    assert cache.retained(slot) == (c.pages_for(150) - 1) * c.page_size // c.token_bytes
+    assert cache.available_pages() == c.pages_for(150) - 1
+
+
+def test_shrink_unmaps_what_a_reused_slot_holds_past_its_size(layout):
+    cache = make_cache(layout)
+    c = cache.config
+    slot = cache.allocate(190)
+    cache.free(slot)
+    assert cache.allocate(30) == slot and cache.mapped_pages(slot) == c.pages_for(190)
+    data = fill(cache, slot, 30)
+    unmaps = cache.unmap_calls
+    assert cache.shrink([slot]) == c.pages_for(190) - c.pages_for(30)
+    assert cache.mapped_pages(slot) == c.pages_for(30) and cache.unmap_calls == unmaps + 1
+    assert cache.shrink([slot]) == 0
+    assert torch.equal(cache.live_kv(slot, 0)[0], data[0][0])
+    st = cache.stats()
+    assert st.pages_free == st.pages_total - c.pages_for(30) * c.num_buffers
+    cache.check()
+
+
+def test_a_discarded_swap_is_gone(layout):
+    cache = make_cache(layout)
+    swapped = cache.swap_out(cache.allocate(40))
+    cache.discard(swapped)
+    for call in (cache.swap_in, cache.discard):
+        with pytest.raises(ValueError, match="already swapped in"):
+            call(swapped)
+    cache.check()

@@ -69,6 +69,13 @@ MISUSE = {
     "swap out freed slot": (lambda c: c.swap_out(c.idle), "not allocated"),
     "swap in twice": (lambda c: (c.swap_in(c.swapped), c.swap_in(c.swapped)), "already swapped in"),
     "swap in from another cache": (lambda c: c.swap_in(swapped_elsewhere()), "not swapped out of this cache"),
+    "discard from another cache": (lambda c: c.discard(swapped_elsewhere()), "not swapped out of this cache"),
+    "keep without a slot": (lambda c: c.allocate(20, keep=5), "keep needs the idle slot"),
+    "keep more than retained": (lambda c: c.allocate(150, slot=c.idle, keep=150), "still maps"),
+    "keep more than allocated": (lambda c: c.allocate(3, slot=c.idle, keep=4), "allocated for 3"),
+    "keep a negative count": (lambda c: c.allocate(3, slot=c.idle, keep=-1), "keep=-1"),
+    "retained of an active slot": (lambda c: c.retained(c.a), "already allocated"),
+    "shrink an idle slot": (lambda c: c.shrink([c.a, c.idle]), "not allocated"),
 }
 
 

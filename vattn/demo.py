@@ -1,5 +1,6 @@
 """`vattn demo`: SmolLM2 serves real ShareGPT prompts through the engine."""
 from rich.console import Console
+from rich.markup import escape
 from rich.panel import Panel
 
 from vattn.bench.engine import figure_rows, serve, workload
@@ -18,7 +19,7 @@ def run(num_prompts: int, max_tokens: int, show: int, json_path: str | None = No
     console = Console()
     for req, out in list(zip(requests, outputs))[:show]:
         answer = out.outputs[0].text.strip()
-        console.print(Panel(f"[bold]{_clip(req.prompt, 300)}[/bold]\n\n{_clip(answer, 500)}",
+        console.print(Panel(f"[bold]{escape(_clip(req.prompt, 300))}[/bold]\n\n{escape(_clip(answer, 500))}",
                             title=f"request {out.request_id}: {len(out.prompt_token_ids)} prompt tokens, "
                                   f"{len(out.outputs[0].token_ids)} generated ({out.outputs[0].finish_reason})",
                             title_align="left"))

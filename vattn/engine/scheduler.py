@@ -194,9 +194,10 @@ class Scheduler:
                 return False
             seq.slot, seq.swapped = slot, None
             back.append(seq)
+        for seq in back:
             if self.prefix:
-                self.prefix.keep(slot, 0)
-                self.prefix.register(slot, seq.token_ids, seq.num_computed_tokens, req.cache_salt)
+                self.prefix.keep(seq.slot, 0)
+                self.prefix.register(seq.slot, seq.token_ids, seq.num_computed_tokens, req.cache_salt)
         self.swapped.remove(req)
         req.status = Status.RUNNING
         _insert(self.running, req)
