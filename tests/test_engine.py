@@ -265,6 +265,25 @@ def test_bad_input_is_refused_and_the_engine_keeps_serving(call, message):
     assert done == {"0", rid} and pool_is_whole(engine)
 
 
+@pytest.mark.parametrize("settings, message", [
+    (dict(preemption_mode="drop"), "preemption_mode"), (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(watermark=1.5), "watermark"), (dict(layout="paged"), "layout"), (dict(page_size=5000), "page_size"),
+])
+def test_bad_engine_settings(settings, message):
+    model = tiny_model("llama", "sdpa")
+    with pytest.raises(ValueError, match=message):
+        engine_for(model, **settings)
+    assert model.config._attn_implementation == "sdpa"  # the model is left as it was
+
+
+def test_close_gives_the_model_its_attention_back():
+    model = tiny_model("llama", "eager")
+    engine = engine_for(model)
+    assert model.config._attn_implementation == "vattn"
+    engine.close()
+    assert model.config._attn_implementation == "eager"
+
+
 def test_memory_budget_too_small_for_a_request():
     engine = engine_for(tiny_model("llama", "sdpa"), memory_budget=GROUP)
     with pytest.raises(ValueError, match="memory budget"):

@@ -46,8 +46,7 @@ class StepBatch:
         if d:
             self.cache.write(layer, self.decode_slots, self.decode_positions, key[:d, None], value[:d, None])
         for slot, start, n in self.chunks:
-            self.cache.write(layer, [slot], [start], key[d:d + n, None].transpose(0, 1),
-                             value[d:d + n, None].transpose(0, 1))
+            self.cache.write(layer, [slot], [start], key[None, d:d + n], value[None, d:d + n])
             d += n
 
     def decode_rows(self) -> tuple[int, int]:

@@ -66,6 +66,7 @@ class CacheStats:
     utilization: float  # live / mapped
     committed_bytes: int  # physical memory the backend holds (pages touched)
     active_slots: int
+    swapped_slots: int  # swapped out, not yet back or discarded
     map_calls: int
     unmap_calls: int
 
@@ -454,6 +455,7 @@ class VirtualKVCache:
             utilization=live_bytes / mapped if mapped else 0.0,
             committed_bytes=self.backend.committed_bytes(self._physical),
             active_slots=len(self.active_slots),
+            swapped_slots=len(self._swapped),
             map_calls=self.map_calls,
             unmap_calls=self.unmap_calls,
         )

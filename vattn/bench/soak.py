@@ -8,8 +8,12 @@ import random
 import time
 
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from vattn.bench.report import print_table, write_json
+from vattn.engine import LLMEngine
+from vattn.hf import cache_config_for
+from vattn.sampling_params import SamplingParams
 
 # 256 bytes a token per buffer: 16 tokens per 4 KiB page, so a small budget is a few requests
 TINY_LLAMA = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
@@ -18,15 +22,11 @@ PAGE = 4096
 
 
 def tiny_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).eval()
 
 
-def requests(num: int, seed: int = 0) -> list[tuple[list[int], "SamplingParams"]]:  # noqa: F821
-    from vattn import SamplingParams
-
+def requests(num: int, seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
     rng = random.Random(seed)
     prefixes = [[rng.randrange(2, 127) for _ in range(rng.randrange(16, 40))] for _ in range(4)]
     out = []
@@ -46,10 +46,8 @@ def requests(num: int, seed: int = 0) -> list[tuple[list[int], "SamplingParams"]
     return out
 
 
-def serve(model, reqs, **settings) -> tuple[dict[str, list[list[int]]], "LLMEngine"]:  # noqa: F821
+def serve(model, reqs, **settings) -> tuple[dict[str, list[list[int]]], LLMEngine]:
     """Outputs (token ids of each sample, by request id) of `reqs` on a fresh engine."""
-    from vattn.engine import LLMEngine
-
     engine = LLMEngine(model, page_size=PAGE, max_num_seqs=8, max_num_batched_tokens=64, max_seq_len=128, **settings)
     for i, (prompt, params) in enumerate(reqs):
         engine.add_request(prompt, params, request_id=str(i))
@@ -62,12 +60,10 @@ def pool_is_whole(engine) -> bool:
     """Every page free or held by an idle slot, and the books consistent."""
     engine.cache.check()
     st = engine.cache.stats()
-    return st.active_slots == 0 and st.pages_mapped == st.pages_idle and not engine.cache._swapped
+    return st.active_slots == 0 and st.pages_mapped == st.pages_idle and st.swapped_slots == 0
 
 
 def soak(num_requests: int, modes=("recompute", "swap"), budget_pages: int = 12) -> list[dict]:
-    from vattn.hf import cache_config_for
-
     model = tiny_model()
     reqs = requests(num_requests)
     reference, _ = serve(model, reqs)

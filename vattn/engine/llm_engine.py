@@ -31,13 +31,13 @@ class LLMEngine:
         switched to vattn's); `tokenizer` for text prompts, stop strings and
         output text; settings: `EngineConfig` fields."""
         self.config = config = config or EngineConfig(**settings)
+        self.cache = VirtualKVCache(cache_config_for(
+            model, max_batch=config.max_num_seqs, max_seq_len=config.max_seq_len, layout=config.layout,
+            page_size=config.page_size, memory_budget=config.memory_budget))
         attention.register()
         self._model_attention = model.config._attn_implementation  # given back by close()
         model.set_attn_implementation(attention.NAME)
         self.model, self.tokenizer = model.eval(), tokenizer
-        self.cache = VirtualKVCache(cache_config_for(
-            model, max_batch=config.max_num_seqs, max_seq_len=config.max_seq_len, layout=config.layout,
-            page_size=config.page_size, memory_budget=config.memory_budget))
         c = self.cache.config
         self.prefix = PrefixCache(max(1, c.page_size // c.token_bytes)) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(config, self.cache, self.prefix)

@@ -76,5 +76,5 @@ class PrefixCache:
 
     @property
     def hit_rate(self) -> float:
-        """Prompt tokens served from the cache / prompt tokens looked up."""
+        """Tokens served from the cache / tokens of the prompts that were given slots."""
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
