@@ -21,6 +21,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.c = self.cache.config
         self.model: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # slot -> (K, V) per layer
         self.swapped = []  # (handle, model)
+        self.left = {}  # idle slot -> what its last owner wrote (it may resume it)
         self.seed = 0
 
     def empty(self):
@@ -41,8 +42,31 @@ class CacheMachine(RuleBasedStateMachine):
         event("allocate", "ok" if slot is not None else "full")
         if slot is not None:
             assert slot not in self.model
+            self.left.pop(slot, None)
             self.model[slot] = self.empty()
             self.write(slot, int(n * filled))
+
+    @rule(data=st.data(), n=st.integers(1, MAX_SEQ))
+    def resume(self, data, n):
+        """An idle slot's next owner keeps a prefix of what the last one wrote."""
+        if not self.left:
+            return
+        slot = data.draw(st.sampled_from(sorted(self.left)))
+        written = self.left[slot][0][0].shape[0]
+        most = min(n, written, self.cache.retained(slot))
+        keep = data.draw(st.sampled_from([most, most // 2, 0]))
+        if self.cache.allocate(n, slot=slot, keep=keep) is None:
+            return
+        event("resume", "kept tokens" if keep else "kept nothing")
+        self.model[slot] = [(k[:keep].clone(), v[:keep].clone()) for k, v in self.left.pop(slot)]
+
+    @rule(data=st.data())
+    def shrink(self, data):
+        slot = self.active(data)
+        if slot is None:
+            return
+        self.cache.shrink([slot])
+        assert self.cache.mapped_pages(slot) == self.c.pages_for(self.cache.capacity(slot))
 
     @rule(data=st.data(), t=st.integers(1, 30))
     def append(self, data, t):
@@ -94,6 +118,7 @@ class CacheMachine(RuleBasedStateMachine):
             if not self.cache.share(src, dst, n):
                 return
         event("share", "into a new slot" if into_new else "into a slot")
+        self.left.pop(dst, None)
         self.model[dst] = [(k[:n].clone(), v[:n].clone()) for k, v in self.model[src]]
 
     @rule(data=st.data())
@@ -117,7 +142,7 @@ class CacheMachine(RuleBasedStateMachine):
         if slot is None:
             return
         self.cache.free(slot)
-        del self.model[slot]
+        self.left[slot] = self.model.pop(slot)
 
     @rule(data=st.data())
     def swap_out(self, data):
@@ -136,6 +161,7 @@ class CacheMachine(RuleBasedStateMachine):
         event("swap in", "ok" if slot is not None else "full")
         if slot is not None:
             self.swapped.pop(i)
+            self.left.pop(slot, None)
             self.model[slot] = model
 
     @rule()

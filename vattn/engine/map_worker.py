@@ -1,7 +1,7 @@
 """Maps the pages the next step will need while the current step computes
 (vAttention's eager allocation).  One job at a time; the engine waits for it
-before it changes any slot (finishing, preempting, admitting), so the job
-only ever grows slots that are still running and no page is mapped for a
+before it changes any slot (finishing, preempting, admitting, aborting), so a
+job only touches slots that are still running and no page is mapped for a
 request that is gone."""
 import time
 from collections.abc import Callable
