@@ -412,3 +412,18 @@ def test_a_discarded_swap_is_gone(layout):
         with pytest.raises(ValueError, match="already swapped in"):
             call(swapped)
     cache.check()
+
+
+def test_what_a_reused_slot_holds_past_its_size_is_reclaimable(layout):
+    c = make_cache(layout).config
+    cache = make_cache(layout, pages=c.pages_for(190) + 1)
+    slot = cache.allocate(190)
+    cache.free(slot)
+    assert cache.allocate(10, slot=slot) == slot and cache.mapped_pages(slot) == c.pages_for(190)
+    data = fill(cache, slot, 10)
+    assert cache.available_pages() == 1 + c.pages_for(190) - c.pages_for(10)
+    other = cache.allocate(190)  # takes the surplus from the slot's tail
+    assert other is not None and cache.mapped_pages(slot) == c.pages_for(10)
+    assert torch.equal(cache.live_kv(slot, 1)[1], data[1][1])
+    assert cache.grow(slot, c.page_size // c.token_bytes + 10) is False  # nothing spare is left
+    cache.check()

@@ -7,9 +7,10 @@ every buffer is one *page group*, the unit the page pool counts and the cache
 maps.  A slot's state is "page groups 0..n-1 mapped".
 
 Deferred reclamation: a freed slot goes idle with its pages still mapped; the
-next request takes the idle slot that best fits it, and idle pages are
-unmapped only when memory is short (or on `trim`).  Idle slots hold private
-pages only, so every idle page is reclaimable.
+next request takes the idle slot that best fits it, and idle pages (and what
+a reused slot holds past its new size) are unmapped only when memory is short
+(or on `trim`, `shrink`).  Idle slots hold private pages only, so every idle
+page is reclaimable.
 
 Sharing maps a page group into several slots (counted in the page pool).  Only
 pages wholly inside the shared prefix are shared; the partly filled tail page
@@ -21,7 +22,7 @@ so kernels that read the whole-buffer views past a slot's length cannot fault.
 """
 import itertools
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -126,7 +127,7 @@ class VirtualKVCache:
         if plan is None:
             return None
         slot, missing = plan
-        self._make_room(missing, exclude=slot)
+        self._make_room(missing, {slot: num_tokens})
         self._extend({slot: missing})
         s = self._slots[slot]
         s.tokens, s.written = num_tokens, [keep] * self.config.num_layers
@@ -148,7 +149,7 @@ class VirtualKVCache:
                                  f"slot {slot} still maps {self.retained(slot)} tokens and is allocated for "
                                  f"{num_tokens}")
         missing = max(0, need - len(self._slots[slot].pages))
-        return (slot, missing) if self._has_room(missing, exclude=slot) else None
+        return (slot, missing) if self._has_room(missing, {slot: num_tokens}) else None
 
     def retained(self, slot: int) -> int:
         """Tokens an idle slot's mapped pages still hold of what its last owner
@@ -157,8 +158,9 @@ class VirtualKVCache:
         return len(self._slots[slot].pages) * self.config.page_size // self.config.token_bytes
 
     def available_pages(self) -> int:
-        """Page groups free or reclaimable from idle slots."""
-        return self.pool.num_free + sum(len(s.pages) for s in self._slots if not s.active)
+        """Page groups free or reclaimable (idle slots' pages, and what active
+        slots hold past their size)."""
+        return self.pool.num_free + sum(self._spare(i, {}) for i in range(len(self._slots)))
 
     def _best_idle_slot(self, key) -> int | None:
         """The idle slot whose mapped page count minimises `key`."""
@@ -168,10 +170,10 @@ class VirtualKVCache:
     def can_grow(self, slot: int, num_tokens: int) -> bool:
         """Whether `grow(slot, num_tokens)` would succeed; never raises."""
         try:
-            growth = self._growth({slot: num_tokens})
+            growth, sizes = self._growth({slot: num_tokens})
         except ValueError:
             return False
-        return self._has_room(sum(growth.values()))
+        return self._has_room(sum(growth.values()), sizes)
 
     def grow(self, slot: int, num_tokens: int) -> bool:
         """Size `slot` for `num_tokens` (mapping what is missing); False if memory is short."""
@@ -179,25 +181,27 @@ class VirtualKVCache:
 
     def grow_many(self, targets: Mapping[int, int]) -> bool:
         """Grow several slots with one batched map call; all or nothing."""
-        growth = self._growth(targets)
+        growth, sizes = self._growth(targets)
         needed = sum(growth.values())
         if needed:
-            if not self._has_room(needed):
+            if not self._has_room(needed, sizes):
                 return False
-            self._make_room(needed)
+            self._make_room(needed, sizes)
             self._extend(growth)
         for slot, num_tokens in targets.items():
             s = self._slots[slot]
             s.tokens = max(s.tokens, num_tokens)
         return True
 
-    def _growth(self, targets: Mapping[int, int]) -> dict[int, int]:
-        growth = {}
+    def _growth(self, targets: Mapping[int, int]) -> tuple[dict[int, int], dict[int, int]]:
+        """(page groups each slot lacks, the size each slot will have)."""
+        growth, sizes = {}, {}
         for slot, num_tokens in targets.items():
             s = self._active(slot)
             self._check_tokens(num_tokens)
             growth[slot] = max(0, self.config.pages_for(num_tokens) - len(s.pages))
-        return growth
+            sizes[slot] = max(s.tokens, num_tokens)
+        return growth, sizes
 
     def free(self, slot: int) -> None:
         """Finish the slot's request.  Its private pages stay mapped (the slot
@@ -222,7 +226,7 @@ class VirtualKVCache:
         to the OS (they read as zeros when next used).  Returns the physical
         pages reclaimed from idle slots."""
         idle = sum(len(s.pages) for s in self._slots if not s.active)
-        reclaimed = self._reclaim(idle)
+        reclaimed = self._reclaim(idle, {})  # idle slots come first
         self.backend.release(self._physical, self._physical_pages(self.pool.free_pages()))
         return reclaimed * self.config.num_buffers
 
@@ -263,7 +267,8 @@ class VirtualKVCache:
         refs = Counter(g for groups in taken.values() for g in groups)
         refs.subtract(self._slots[dst].pages[j] for dst, j in drops)
         freed = sum(1 for g, n in refs.items() if self.pool.refs[g] + n == 0)
-        if not self._has_room(len(fresh_for) - freed):
+        whole = {i: c.max_seq_len for i in set(sources) | set(sources.values())}  # these keep every page
+        if not self._has_room(len(fresh_for) - freed, whole):
             return False
 
         start = full * c.page_size
@@ -272,7 +277,7 @@ class VirtualKVCache:
         self._drop(drops)
         for dst, k in kept.items():
             del self._slots[dst].pages[k:]
-        self._make_room(len(fresh_for))
+        self._make_room(len(fresh_for), whole)
         fresh = dict(zip(fresh_for, self.pool.allocate(len(fresh_for))))
         entries, groups = [], []
         for dst, k in kept.items():
@@ -482,28 +487,35 @@ class VirtualKVCache:
 
     # ------------------------------------------------------------ pages
 
-    def _has_room(self, groups: int, exclude: int | None = None) -> bool:
-        idle = sum(len(s.pages) for i, s in enumerate(self._slots) if not s.active and i != exclude)
-        return groups <= self.pool.num_free + idle
+    def _spare(self, i: int, sizes: Mapping[int, int]) -> int:
+        """Page groups slot i holds past what its size (`sizes[i]` if given)
+        needs: all of an idle slot's, and what a reused slot brought along."""
+        s = self._slots[i]
+        return max(0, len(s.pages) - self.config.pages_for(sizes.get(i, s.tokens)))
 
-    def _make_room(self, groups: int, exclude: int | None = None) -> None:
-        """Reclaim idle pages until `groups` are free (the caller checked `_has_room`)."""
+    def _has_room(self, groups: int, sizes: Mapping[int, int]) -> bool:
+        """Whether `groups` can be had from free and spare pages, the slots in
+        `sizes` keeping what those sizes need."""
+        return groups <= self.pool.num_free + sum(self._spare(i, sizes) for i in range(len(self._slots)))
+
+    def _make_room(self, groups: int, sizes: Mapping[int, int]) -> None:
+        """Reclaim spare pages until `groups` are free (the caller checked `_has_room`)."""
         deficit = groups - self.pool.num_free
         if deficit > 0:
-            self._reclaim(deficit, exclude)
+            self._reclaim(deficit, sizes)
 
-    def _reclaim(self, groups: int, exclude: int | None = None) -> int:
-        """Unmap up to `groups` idle page groups, least recently idle slots
-        first, each from its tail.  Returns the groups freed."""
-        idle = sorted((s.idle_since, i) for i, s in enumerate(self._slots)
-                      if not s.active and s.pages and i != exclude)
+    def _reclaim(self, groups: int, sizes: Mapping[int, int]) -> int:
+        """Unmap up to `groups` spare page groups, each slot's from its tail:
+        idle slots first, least recently idle first, then what active slots
+        hold past their size.  Returns the groups freed."""
+        order = sorted((s.active, s.idle_since, i) for i, s in enumerate(self._slots) if self._spare(i, sizes))
         cuts = {}
-        for _, i in idle:
+        for _, _, i in order:
             if groups <= 0:
                 break
-            n = len(self._slots[i].pages)
-            cuts[i] = max(0, n - groups)
-            groups -= n - cuts[i]
+            take = min(groups, self._spare(i, sizes))
+            cuts[i] = len(self._slots[i].pages) - take
+            groups -= take
         drops = [(i, j) for i, keep in cuts.items() for j in range(keep, len(self._slots[i].pages))]
         freed = self._drop(drops)
         for i, keep in cuts.items():

@@ -1,6 +1,7 @@
 """`vattn bench soak`: thousands of requests on a tiny model under a memory
-budget that forces preemptions; every output must equal its unpressured
-reference and the page pool must be whole at the end.
+budget that forces preemptions, arriving a few per step, some aborted on the
+way; every output that finishes must equal its unpressured reference and the
+page pool must be whole at the end.
 
 The requests mix prompt lengths, shared system prefixes (prefix caching),
 greedy and seeded sampling, and parallel samples (n = 2)."""
@@ -46,12 +47,20 @@ def requests(num: int, seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
     return out
 
 
-def serve(model, reqs, **settings) -> tuple[dict[str, list[list[int]]], LLMEngine]:
-    """Outputs (token ids of each sample, by request id) of `reqs` on a fresh engine."""
+def serve(model, reqs, abort_rate: float = 0.0, seed: int = 0, **settings) -> tuple[dict, LLMEngine]:
+    """Outputs (token ids of each sample, by request id) of `reqs` on a fresh
+    engine.  With `abort_rate`, requests arrive 0-3 per step and a random
+    unfinished one is aborted with that chance each step (absent from the outputs)."""
     engine = LLMEngine(model, page_size=PAGE, max_num_seqs=8, max_num_batched_tokens=64, max_seq_len=128, **settings)
-    for i, (prompt, params) in enumerate(reqs):
-        engine.add_request(prompt, params, request_id=str(i))
-    outputs = {o.request_id: [c.token_ids for c in o.outputs] for o in engine.stream() if o.finished}
+    rng, queue, outputs = random.Random(seed), list(enumerate(reqs)), {}
+    while queue or engine.has_unfinished_requests():
+        arrivals = rng.randrange(4) if abort_rate else len(queue)
+        for i, (prompt, params) in queue[:arrivals]:
+            engine.add_request(prompt, params, request_id=str(i))
+        del queue[:arrivals]
+        if engine.requests and rng.random() < abort_rate:
+            engine.abort(rng.choice(sorted(engine.requests)))
+        outputs |= {o.request_id: [c.token_ids for c in o.outputs] for o in engine.step() if o.finished}
     engine.close()
     return outputs, engine
 
@@ -63,7 +72,7 @@ def pool_is_whole(engine) -> bool:
     return st.active_slots == 0 and st.pages_mapped == st.pages_idle and st.swapped_slots == 0
 
 
-def soak(num_requests: int, modes=("recompute", "swap"), budget_pages: int = 12) -> list[dict]:
+def soak(num_requests: int, modes=("recompute", "swap"), budget_pages: int = 16) -> list[dict]:
     model = tiny_model()
     reqs = requests(num_requests)
     reference, _ = serve(model, reqs)
@@ -71,20 +80,21 @@ def soak(num_requests: int, modes=("recompute", "swap"), budget_pages: int = 12)
     rows = []
     for mode in modes:
         start = time.perf_counter()
-        outputs, engine = serve(model, reqs, preemption_mode=mode, memory_budget=budget)
+        outputs, engine = serve(model, reqs, abort_rate=0.02, preemption_mode=mode, memory_budget=budget)
         rows.append({"mode": mode, "requests": num_requests, "seconds": time.perf_counter() - start,
                      "preemptions": engine.stats.preemptions, "prefix_hit_rate": engine.stats.prefix_hit_rate,
-                     "mismatches": sum(outputs.get(k) != v for k, v in reference.items()),
+                     "aborted": num_requests - len(outputs),
+                     "mismatches": sum(reference[k] != v for k, v in outputs.items()),
                      "pool_whole": pool_is_whole(engine)})
     return rows
 
 
 def run(json_path: str | None, num_requests: int) -> list[dict]:
     rows = soak(num_requests)
-    print_table(f"soak: {num_requests} requests per preemption mode, tiny Llama, 12-page budget",
-                ["mode", "seconds", "preemptions", "prefix hit rate", "outputs differing", "pool whole"],
-                [[r["mode"], r["seconds"], r["preemptions"], f"{r['prefix_hit_rate']:.1%}", r["mismatches"],
-                  r["pool_whole"]] for r in rows])
+    print_table(f"soak: {num_requests} requests per preemption mode, tiny Llama, 16-page budget",
+                ["mode", "seconds", "preemptions", "prefix hit rate", "aborted", "outputs differing", "pool whole"],
+                [[r["mode"], r["seconds"], r["preemptions"], f"{r['prefix_hit_rate']:.1%}", r["aborted"],
+                  r["mismatches"], r["pool_whole"]] for r in rows])
     write_json(json_path, {"rows": rows})
     if any(r["mismatches"] or not r["pool_whole"] for r in rows):
         raise SystemExit("soak failed: an output differs from its reference, or pages leaked")

@@ -71,10 +71,9 @@ class LLMEngine:
                              f"{self.config.max_num_batched_tokens}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        c = self.cache.config
-        longest = min(len(ids) + params.max_tokens, limit)
-        shared = len(ids) * c.token_bytes // c.page_size  # the samples share the prompt's full pages
-        need = shared + params.n * (c.pages_for(longest) - shared)
+        # every sample at its longest, each in its own pages (shared prompt pages stop being shared
+        # when a preempted request comes back), must fit, or the request could never finish
+        need = params.n * self.cache.config.pages_for(min(len(ids) + params.max_tokens, limit))
         if need > self.cache.pool.num_pages:
             raise ValueError(f"the request may need {need} page groups; the memory budget holds "
                              f"{self.cache.pool.num_pages}")
@@ -106,10 +105,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample; outputs of requests with new tokens."""
         start = time.perf_counter()
-        mapped_before = self.scheduler.map_seconds
+        mapped_before, preempted_before = self.scheduler.map_seconds, self.scheduler.preemptions
         work = self.scheduler.schedule()
         if not work:
-            if self.scheduler.has_unfinished:
+            if self.scheduler.has_unfinished and self.scheduler.preemptions == preempted_before:
                 why = (" (the process is at vm.max_map_count)" if self.scheduler.map_limit_hits else "")
                 raise RuntimeError(f"no request could be scheduled: memory is too short{why}")
             return []
