@@ -376,11 +376,18 @@ def test_an_idle_slot_resumes_its_previous_tokens(layout):
     cache.check()
 
 
-def test_reclaimed_pages_are_no_longer_retained(layout):
+def idle_slot_in_a_tight_cache(layout, tokens):
+    """(cache, config, slot): a budget of one page group more than `tokens`
+    need, and an idle slot that holds those pages."""
     c = make_cache(layout).config
-    cache = make_cache(layout, pages=c.pages_for(150) + 1)
-    slot = cache.allocate(150)
+    cache = make_cache(layout, pages=c.pages_for(tokens) + 1)
+    slot = cache.allocate(tokens)
     cache.free(slot)
+    return cache, c, slot
+
+
+def test_reclaimed_pages_are_no_longer_retained(layout):
+    cache, c, slot = idle_slot_in_a_tight_cache(layout, 150)
     assert cache.allocate(c.page_size // c.token_bytes + 1, slot=slot + 1) is not None  # two pages: one reclaimed
     assert cache.mapped_pages(slot) == c.pages_for(150) - 1
     assert cache.retained(slot) == (c.pages_for(150) - 1) * c.page_size // c.token_bytes
@@ -415,10 +422,7 @@ def test_a_discarded_swap_is_gone(layout):
 
 
 def test_what_a_reused_slot_holds_past_its_size_is_reclaimable(layout):
-    c = make_cache(layout).config
-    cache = make_cache(layout, pages=c.pages_for(190) + 1)
-    slot = cache.allocate(190)
-    cache.free(slot)
+    cache, c, slot = idle_slot_in_a_tight_cache(layout, 190)
     assert cache.allocate(10, slot=slot) == slot and cache.mapped_pages(slot) == c.pages_for(190)
     data = fill(cache, slot, 10)
     assert cache.available_pages() == 1 + c.pages_for(190) - c.pages_for(10)
