@@ -32,6 +32,7 @@ class StepBatch:
     decode_positions: list[int]  # where each decode token goes
     chunks: list[tuple[int, int, int]]  # (slot, first position, tokens) of each prefill chunk
     _masks: dict = field(default_factory=dict)  # decode mask per sliding window, built once per step
+    _rows: torch.Tensor | None = None  # decode slots - lo, built once per step
 
     @property
     def num_tokens(self) -> int:
@@ -53,13 +54,19 @@ class StepBatch:
         """The slot range a batched decode call covers."""
         return min(self.decode_slots), max(self.decode_slots) + 1
 
+    def decode_row_index(self) -> torch.Tensor:
+        """Where each decode token's slot sits in that range."""
+        if self._rows is None:
+            self._rows = torch.tensor(self.decode_slots) - self.decode_rows()[0]
+        return self._rows
+
     def decode_mask(self, window: int | None) -> torch.Tensor:
         """`[R, 1, 1, L]`: row r attends to the live tokens of slot lo + r (if decoding)."""
         if window not in self._masks:
             lo, hi = self.decode_rows()
             L = max(self.decode_positions) + 1
             pos = torch.zeros(hi - lo, dtype=torch.long)  # a slot not decoding sees its token 0 (no NaN)
-            pos[torch.tensor(self.decode_slots) - lo] = torch.tensor(self.decode_positions)
+            pos[self.decode_row_index()] = torch.tensor(self.decode_positions)
             kv = torch.arange(L)
             mask = kv <= pos[:, None]
             if window is not None:
@@ -104,7 +111,7 @@ def _decode(b: StepBatch, q, K, V, scaling, window) -> torch.Tensor:
             out.append(F.scaled_dot_product_attention(q[i].view(Hkv, H // Hkv, D), k, v, scale=scaling))
         return torch.stack(out).view(d, H, D)
     L = max(b.decode_positions) + 1
-    rows = torch.tensor(b.decode_slots) - lo
+    rows = b.decode_row_index()
     packed = q.new_zeros(hi - lo, Hkv, H // Hkv, D)
     packed[rows] = q.view(d, Hkv, H // Hkv, D)
     out = F.scaled_dot_product_attention(packed, K[lo:hi, :L].transpose(1, 2), V[lo:hi, :L].transpose(1, 2),

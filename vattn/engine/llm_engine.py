@@ -43,7 +43,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.cache, self.prefix)
         self.worker = MapWorker() if config.map_ahead else None
         self.requests: dict[str, Request] = {}
-        self.stats = EngineStats()
+        self.stats = EngineStats(self.scheduler, self.prefix, self.worker)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self._vocab = model.config.get_text_config().vocab_size
         self._ids = itertools.count()
@@ -127,10 +127,6 @@ class LLMEngine:
         outputs = self._postprocess(work, logits)
         self.stats.record(time.perf_counter() - start, self.scheduler.map_seconds - mapped_before + waited,
                           batch.num_tokens, st.live_bytes / held if held else 0.0, st.pages_mapped)
-        self.stats.preemptions = self.scheduler.preemptions
-        self.stats.map_limit_hits = self.scheduler.map_limit_hits
-        self.stats.prefix_hit_rate = self.prefix.hit_rate if self.prefix else 0.0
-        self.stats.background_map_seconds = self.worker.busy_seconds if self.worker else 0.0
         return outputs
 
     def _forward(self, work: Work, batch: attention.StepBatch) -> torch.Tensor:

@@ -1,30 +1,59 @@
 """What the engine measures as it runs, and the latency figures `vllm bench` prints."""
+from __future__ import annotations
+
 import statistics
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vattn.engine.request import RequestOutput
+
+if TYPE_CHECKING:
+    from vattn.engine.map_worker import MapWorker
+    from vattn.engine.prefix_cache import PrefixCache
+    from vattn.engine.scheduler import Scheduler
 
 
 @dataclass(slots=True)
 class EngineStats:
-    steps: int = 0
+    """Per-step records, and the counters the scheduler, the prefix cache and
+    the mapping worker keep."""
+
+    scheduler: Scheduler  # only their counters are read
+    prefix: PrefixCache | None
+    worker: MapWorker | None
     step_seconds: list[float] = field(default_factory=list)
     map_seconds: list[float] = field(default_factory=list)  # mapping on the step's critical path
     tokens: list[int] = field(default_factory=list)  # tokens computed per step
     utilization: list[float] = field(default_factory=list)  # live / mapped by running requests, per step
     peak_pages: int = 0  # physical pages mapped at the busiest step
-    preemptions: int = 0
-    map_limit_hits: int = 0  # mappings refused at vm.max_map_count (handled like memory being short)
-    prefix_hit_rate: float = 0.0
-    background_map_seconds: float = 0.0
 
     def record(self, seconds: float, map_seconds: float, tokens: int, utilization: float, pages: int) -> None:
-        self.steps += 1
         self.step_seconds.append(seconds)
         self.map_seconds.append(map_seconds)
         self.tokens.append(tokens)
         self.utilization.append(utilization)
         self.peak_pages = max(self.peak_pages, pages)
+
+    @property
+    def steps(self) -> int:
+        return len(self.step_seconds)
+
+    @property
+    def preemptions(self) -> int:
+        return self.scheduler.preemptions
+
+    @property
+    def map_limit_hits(self) -> int:
+        """Mappings refused at vm.max_map_count (handled like memory being short)."""
+        return self.scheduler.map_limit_hits
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix.hit_rate if self.prefix else 0.0
+
+    @property
+    def background_map_seconds(self) -> float:
+        return self.worker.busy_seconds if self.worker else 0.0
 
     @property
     def kv_utilization(self) -> float:
