@@ -3,19 +3,21 @@ import mmap
 import pytest
 import torch
 
-from vattn import CacheConfig, VirtualKVCache
+from vattn import CacheConfig, PagedKVCache, VirtualKVCache
 
 # 96 bytes a token per buffer: tokens straddle 4 KiB page boundaries.
 GEOMETRY = dict(num_layers=2, num_kv_heads=3, head_dim=8, dtype=torch.float32)
 
 
-def make_cache(layout="per_layer", max_batch=4, max_seq_len=200, page_size=4096, pages=None, **kw) -> VirtualKVCache:
-    """A small cache; `pages` sets the memory budget in page groups, `kw` overrides the geometry."""
+def make_cache(layout="per_layer", max_batch=4, max_seq_len=200, page_size=4096, pages=None, block_size=16, **kw):
+    """A small cache (layout "paged": the paged baseline with `block_size`); `pages` sets the
+    memory budget in page groups (blocks), `kw` overrides the geometry."""
+    paged = layout == "paged"
     config = CacheConfig(**{**GEOMETRY, **kw}, max_batch=max_batch, max_seq_len=max_seq_len, page_size=page_size,
-                         layout=layout)
+                         layout="per_layer" if paged else layout)
     if pages is not None:
-        config.memory_budget = pages * config.page_group_bytes
-    return VirtualKVCache(config)
+        config.memory_budget = pages * (block_size * config.kv_bytes_per_token if paged else config.page_group_bytes)
+    return PagedKVCache(config, block_size) if paged else VirtualKVCache(config)
 
 
 @pytest.fixture(params=["per_layer", "per_head", "interleaved"])

@@ -6,9 +6,9 @@ from vattn import CacheConfig
 from conftest import GEOMETRY, fill, make_cache, state
 
 
-@pytest.fixture
-def cache(layout):
-    cache = make_cache(layout)
+@pytest.fixture(params=["per_layer", "per_head", "interleaved", "paged"])
+def cache(request):
+    cache = make_cache(request.param)
     a = cache.allocate(200)
     fill(cache, a, 140)
     b = cache.fork(a, 135)  # at least one full shared page in every layout
@@ -65,7 +65,7 @@ MISUSE = {
     "write not a tensor": (lambda c: c.write(0, [c.a], [140], [[1.0]], [[1.0]]), "must be a tensor"),
     "live_kv freed slot": (lambda c: c.live_kv(c.idle, 0), "not allocated"),
     "live_kv bad layer": (lambda c: c.live_kv(c.a, -1), "does not exist"),
-    "layer_kv bad layer": (lambda c: c.layer_kv(5), "does not exist"),
+    "rows_kv bad layer": (lambda c: c.rows_kv(5, 0, 1, 1), "does not exist"),
     "swap out freed slot": (lambda c: c.swap_out(c.idle), "not allocated"),
     "swap in twice": (lambda c: (c.swap_in(c.swapped), c.swap_in(c.swapped)), "already swapped in"),
     "swap in from another cache": (lambda c: c.swap_in(swapped_elsewhere()), "not swapped out of this cache"),
@@ -120,6 +120,12 @@ def test_queries_never_raise(cache):
 def test_bad_config(field, value, message):
     with pytest.raises(ValueError, match=message):
         CacheConfig(**{**GEOMETRY, field: value}, page_size=4096)
+
+
+def test_bad_block_size():
+    for block_size in (0, -16, 2.5, True):
+        with pytest.raises(ValueError, match="block_size must be a positive int"):
+            make_cache("paged", block_size=block_size)
 
 
 def test_page_size_must_suit_the_backend():

@@ -12,12 +12,14 @@ MAX_SEQ = 120
 class CacheMachine(RuleBasedStateMachine):
     layout = "per_layer"
     budget = 6  # page groups: tight, so pressure, reclaim and failures happen
+    block_size = 16  # paged only
 
     geometry = {}
 
     def __init__(self):
         super().__init__()
-        self.cache = make_cache(self.layout, max_batch=4, max_seq_len=MAX_SEQ, pages=self.budget, **self.geometry)
+        self.cache = make_cache(self.layout, max_batch=4, max_seq_len=MAX_SEQ, pages=self.budget,
+                                block_size=self.block_size, **self.geometry)
         self.c = self.cache.config
         self.model: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # slot -> (K, V) per layer
         self.swapped = []  # (handle, model)
@@ -194,6 +196,20 @@ class CacheMachine(RuleBasedStateMachine):
                 assert torch.equal(view, physical_bytes(self.cache, pages[0], buffer))
 
 
+class PagedMachine(CacheMachine):
+    layout = "paged"
+    budget = 14
+    block_size = 5
+
+    @invariant()
+    def mapped_where_the_books_say(self):
+        """Each slot's first token of layer 0 sits in the pool row its block table names."""
+        for slot, layers in self.model.items():
+            if len(layers[0][0]):
+                row = self.cache.block_table(slot)[0] * self.block_size
+                assert torch.equal(self.cache._pools[0][row], layers[0][0][0])
+
+
 class InterleavedMachine(CacheMachine):
     layout = "interleaved"
     budget = 18
@@ -213,3 +229,5 @@ TestInterleaved = InterleavedMachine.TestCase
 TestInterleaved.settings = SETTINGS
 TestPerHead = PerHeadMachine.TestCase
 TestPerHead.settings = SETTINGS
+TestPaged = PagedMachine.TestCase
+TestPaged.settings = SETTINGS

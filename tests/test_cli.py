@@ -43,3 +43,23 @@ def test_bench_soak_passes_on_a_few_requests(tmp_path):
     rows = json.loads(path.read_text())["rows"]
     assert [r["mode"] for r in rows] == ["recompute", "swap"]
     assert all(r["mismatches"] == 0 and r["pool_whole"] and r["preemptions"] > 0 for r in rows)
+
+
+def test_bench_e2e_runs_every_system(tmp_path):
+    path = tmp_path / "e2e.json"
+    out = vattn("bench", "e2e", "--num-prompts", "3", "--max-tokens", "4", "--json", str(path), "--plot", str(tmp_path))
+    assert "end to end: 3 ShareGPT prompts" in out
+    result = json.loads(path.read_text())
+    rows = {r["system"]: r for r in result["rows"]}
+    assert set(rows) == {"vattn", "paged_16", "hf_continuous_batching", "hf_static"}
+    for r in rows.values():
+        assert r["output_tok_per_s"] > 0 and r["req_per_s"] > 0 and set(r["ttft_ms"]) == {"mean", "median", "p99"}
+        assert r["same_tokens_as_vattn"] == 3  # greedy float32: every system gives the same tokens
+    assert set(result["targets"]) == {f"vattn_vs_{s}" for s in rows if s != "vattn"}
+    assert (tmp_path / "e2e_throughput_latency.png").stat().st_size > 0
+
+
+def test_bench_memory_rejects_a_bad_budget():
+    out = subprocess.run([sys.executable, "-m", "vattn", "bench", "memory", "--budget", "lots"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode != 0 and "cannot read 'lots' as bytes" in out.stderr

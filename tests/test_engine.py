@@ -10,7 +10,7 @@ import torch
 from tiny_models import SMALL, TINY, tiny_model
 from transformers import GenerationConfig
 
-from vattn import SamplingParams
+from vattn import PagedKVCache, SamplingParams
 from vattn.bench.soak import pool_is_whole, soak
 from vattn.engine import LLMEngine
 from vattn.engine.request import Status
@@ -80,6 +80,23 @@ def test_preemption_keeps_outputs(tiny, mode):
     assert engine.stats.preemptions > 0
 
 
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_baseline_equals_hf_generate(tiny, block_size):
+    model, reference = tiny
+    engine = engine_for(model, kv_cache="paged", block_size=block_size)
+    assert isinstance(engine.cache, PagedKVCache) and engine.cache.block_size == block_size
+    assert run(engine, [(p, greedy()) for p in prompts()]) == [[r] for r in reference]
+    assert engine.cache.map_calls == 0  # blocks enter block tables; nothing is mapped
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_paged_baseline_under_preemption(tiny, mode):
+    model, reference = tiny
+    engine = engine_for(model, kv_cache="paged", memory_budget=4 * PER_LAYER_GROUP, preemption_mode=mode)
+    assert run(engine, [(p, greedy()) for p in prompts()]) == [[r] for r in reference]
+    assert engine.stats.preemptions > 0
+
+
 def test_map_ahead_and_prefix_caching_change_no_output(tiny):
     model, reference = tiny
     for settings in (dict(map_ahead=False), dict(enable_prefix_caching=False), dict(max_num_batched_tokens=7)):
@@ -105,14 +122,16 @@ SMOLLM2_GROUP = 180 * 8192  # 30 layers × K/V × 3 heads, 8 KiB pages of 32 fp3
 
 
 @pytest.mark.parametrize("settings", [{}, dict(memory_budget=6 * SMOLLM2_GROUP, preemption_mode="recompute"),
-                                      dict(memory_budget=6 * SMOLLM2_GROUP, preemption_mode="swap")],
-                         ids=["roomy", "recompute", "swap"])
+                                      dict(memory_budget=6 * SMOLLM2_GROUP, preemption_mode="swap"),
+                                      dict(kv_cache="paged"),
+                                      dict(kv_cache="paged", memory_budget=6 * SMOLLM2_GROUP, preemption_mode="swap")],
+                         ids=["roomy", "recompute", "swap", "paged", "paged-swap"])
 def test_smollm2_equals_hf_generate(smollm2, settings):
     model, tokenizer, chats, reference = smollm2
     # prompts of 33-46 tokens take 2 page groups each; they grow into a third
     engine = LLMEngine(model, tokenizer, max_num_batched_tokens=48, **settings)
     assert run(engine, [(p, greedy(40, ignore_eos=True)) for p in chats]) == [[r] for r in reference]
-    assert (engine.stats.preemptions > 0) == bool(settings)
+    assert (engine.stats.preemptions > 0) == ("memory_budget" in settings)
 
 
 def test_smollm2_text_stop_strings_and_streaming(smollm2):
@@ -131,33 +150,36 @@ def test_smollm2_text_stop_strings_and_streaming(smollm2):
 
 # ---------------------------------------------------------------- sharing
 
-def test_parallel_samples_share_the_prompt_and_match_lone_runs():
+@pytest.mark.parametrize("cache", [{}, dict(kv_cache="paged")], ids=["virtual", "paged"])
+def test_parallel_samples_share_the_prompt_and_match_lone_runs(cache):
     model = tiny_model("llama", "sdpa")
     prompt = prompts([70])[0]
-    engine = engine_for(model, max_num_batched_tokens=128)
+    engine = engine_for(model, max_num_batched_tokens=128, **cache)
     [samples] = run(engine, [(prompt, SamplingParams(max_tokens=20, temperature=0.8, seed=5, n=3))])
     lone_pages = 0
     for i, sample in enumerate(samples):
-        lone = engine_for(model, max_num_batched_tokens=128)
+        lone = engine_for(model, max_num_batched_tokens=128, **cache)
         assert run(lone, [(prompt, SamplingParams(max_tokens=20, temperature=0.8, seed=5 + i))]) == [[sample]]
         lone_pages += lone.stats.peak_pages
     assert len({tuple(s) for s in samples}) == 3
     assert engine.stats.peak_pages < lone_pages
 
 
-def test_prefix_cache_skips_the_shared_prompt():
+@pytest.mark.parametrize("cache, hit", [({}, 64), (dict(kv_cache="paged", block_size=16), 96)],
+                         ids=["virtual", "paged"])
+def test_prefix_cache_skips_the_shared_prompt(cache, hit):
     model = tiny_model("llama", "sdpa")
     system, a, b = prompts([100, 9, 12])
     expected = [hf_greedy(model, system + q, 12) for q in (a, b)]
-    engine = engine_for(model, max_num_batched_tokens=128)
+    engine = engine_for(model, max_num_batched_tokens=128, **cache)
     assert run(engine, [(system + a, greedy(12))]) == [[expected[0]]]
     before = sum(engine.stats.tokens)
     rid = engine.add_request(system + b, greedy(12))
     outs = list(engine.stream())
     assert outs[-1].request_id == rid and outs[-1].outputs[0].token_ids == expected[1]
-    assert outs[-1].metrics.num_cached_tokens == 64  # one 64-token block
-    assert sum(engine.stats.tokens) - before == len(system + b) - 64 + 11  # prefill of the rest, then decode
-    assert engine.prefix.hit_tokens == 64 and pool_is_whole(engine)
+    assert outs[-1].metrics.num_cached_tokens == hit  # whole blocks: 64 tokens a page, or 16 a block
+    assert sum(engine.stats.tokens) - before == len(system + b) - hit + 11  # prefill of the rest, then decode
+    assert engine.prefix.hit_tokens == hit and pool_is_whole(engine)
 
 
 def test_prefix_cache_hits_a_running_request_and_respects_salts():

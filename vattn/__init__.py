@@ -3,10 +3,11 @@ from vattn.backends import Backend, get_backend
 from vattn.cache import CacheStats, SwappedSlot, VirtualKVCache
 from vattn.config import CacheConfig
 from vattn.page_pool import PagePool
+from vattn.paged import PagedKVCache
 from vattn.sampling_params import SamplingParams
 
-__all__ = ["LLM", "Backend", "CacheConfig", "CacheStats", "EngineConfig", "LLMEngine", "PagePool", "SamplingParams",
-           "SwappedSlot", "VAttnCache", "VirtualKVCache", "get_backend"]
+__all__ = ["LLM", "Backend", "CacheConfig", "CacheStats", "EngineConfig", "LLMEngine", "PagePool", "PagedKVCache",
+           "SamplingParams", "SwappedSlot", "VAttnCache", "VirtualKVCache", "get_backend"]
 __version__ = "0.1.0"
 
 

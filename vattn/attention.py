@@ -1,4 +1,4 @@
-"""Attention over the virtual cache, for the engine's forward passes.
+"""Attention over the KV cache, for the engine's forward passes.
 
 One forward holds several requests back to back (`input_ids [1, T]`): first
 one decode token for each of `decode_slots`, then prefill chunks.  Every
@@ -9,7 +9,9 @@ slots not decoding, are masked; they read the zero page or finite stale
 values, never unmapped memory) unless the range is mostly other slots, then
 one call per request; each prefill chunk takes one call with a causal mask
 aligned to its position.  Grouped KV heads are packed into the query axis
-(`[H_kv, G·T, D]` against `[H_kv, L, D]`), so K and V are read in place.
+(`[H_kv, G·T, D]` against `[H_kv, L, D]`).  K and V come from the cache's
+`rows_kv`: views of the virtual cache, read in place, or rows the paged cache
+gathers through its block tables.
 
 `register()` makes the function available to transformers as
 `attn_implementation="vattn"`; it expects `vattn_batch=StepBatch` among the
@@ -20,14 +22,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from vattn.cache import VirtualKVCache
+from vattn.slot_cache import SlotCache
 
 NAME = "vattn"
 
 
 @dataclass(slots=True)
 class StepBatch:
-    cache: VirtualKVCache
+    cache: SlotCache
     decode_slots: list[int]
     decode_positions: list[int]  # where each decode token goes
     chunks: list[tuple[int, int, int]]  # (slot, first position, tokens) of each prefill chunk
@@ -86,40 +88,40 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     if T != b.num_tokens:
         raise ValueError(f"the forward has {T} tokens; its StepBatch describes {b.num_tokens}")
     b.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    K, V = b.cache.layer_kv(layer)
     q = query[0].transpose(0, 1)  # [T, H, D]
     out = torch.empty_like(q)
     d = len(b.decode_slots)
     if d:
-        out[:d] = _decode(b, q[:d], K, V, scaling, sliding_window)
+        out[:d] = decode(b, layer, q[:d], scaling, sliding_window)
     for slot, start, n in b.chunks:
-        out[d:d + n] = _prefill(q[d:d + n], K[slot, :start + n], V[slot, :start + n], start, scaling, sliding_window)
+        k, v = b.cache.rows_kv(layer, slot, slot + 1, start + n)
+        out[d:d + n] = prefill(q[d:d + n], k[0], v[0], start, scaling, sliding_window)
         d += n
     return out.unsqueeze(0), None
 
 
-def _decode(b: StepBatch, q, K, V, scaling, window) -> torch.Tensor:
+def decode(b: StepBatch, layer: int, q, scaling, window) -> torch.Tensor:
     """`q [d, H, D]`, one token per decoding slot; returns `[d, H, D]`."""
     d, H, D = q.shape
-    Hkv = K.shape[2]
+    Hkv = b.cache.config.num_kv_heads
     lo, hi = b.decode_rows()
     if hi - lo > 2 * d:  # sparse: one call per request
         out = []
         for i, (slot, pos) in enumerate(zip(b.decode_slots, b.decode_positions)):
             first = 0 if window is None else max(0, pos + 1 - window)
-            k, v = K[slot, first:pos + 1].transpose(0, 1), V[slot, first:pos + 1].transpose(0, 1)
-            out.append(F.scaled_dot_product_attention(q[i].view(Hkv, H // Hkv, D), k, v, scale=scaling))
+            k, v = (t[0, first:].transpose(0, 1) for t in b.cache.rows_kv(layer, slot, slot + 1, pos + 1))
+            out.append(_sdpa(q[i].view(Hkv, H // Hkv, D), k, v, None, scaling))
         return torch.stack(out).view(d, H, D)
-    L = max(b.decode_positions) + 1
+    K, V = b.cache.rows_kv(layer, lo, hi, max(b.decode_positions) + 1)
     rows = b.decode_row_index()
     packed = q.new_zeros(hi - lo, Hkv, H // Hkv, D)
     packed[rows] = q.view(d, Hkv, H // Hkv, D)
-    out = F.scaled_dot_product_attention(packed, K[lo:hi, :L].transpose(1, 2), V[lo:hi, :L].transpose(1, 2),
+    out = F.scaled_dot_product_attention(packed, K.transpose(1, 2), V.transpose(1, 2),
                                          attn_mask=b.decode_mask(window), scale=scaling)
     return out[rows].view(d, H, D)
 
 
-def _prefill(q, k, v, start: int, scaling, window) -> torch.Tensor:
+def prefill(q, k, v, start: int, scaling, window) -> torch.Tensor:
     """`q [n, H, D]` at positions start.. against `k`/`v [start + n, H_kv, D]`."""
     n, H, D = q.shape
     Hkv = k.shape[1]
@@ -130,9 +132,15 @@ def _prefill(q, k, v, start: int, scaling, window) -> torch.Tensor:
     mask = kpos <= qpos
     if window is not None:
         mask &= kpos > qpos - window
-    out = F.scaled_dot_product_attention(packed, k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask.repeat(G, 1), scale=scaling)
+    out = _sdpa(packed, k.transpose(0, 1), v.transpose(0, 1), mask.repeat(G, 1), scaling)
     return out.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
+
+
+def _sdpa(q, k, v, mask, scaling) -> torch.Tensor:
+    """SDPA on one request's `[H_kv, rows, D]`: given a batch axis, as torch's
+    fused CPU kernels require (3-D inputs take a path several times slower)."""
+    mask = None if mask is None else mask[None]
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scaling)[0]
 
 
 def register() -> None:

@@ -53,7 +53,7 @@ def bench(args) -> None:
     elif args.what == "hf":
         from vattn.bench import hf
 
-        hf.run(args.json, batches=args.batches, new_tokens=args.new_tokens, attn=args.attn)
+        hf.run(args.json, batches=args.batches or [1, 8], new_tokens=args.new_tokens, attn=args.attn)
     elif args.what == "engine":
         from vattn.bench import engine
 
@@ -61,7 +61,38 @@ def bench(args) -> None:
     elif args.what == "soak":
         from vattn.bench import soak
 
-        soak.run(args.json, num_requests=args.requests)
+        soak.run(args.json, num_requests=args.requests or 2000)
+    elif args.what == "memory":
+        from vattn.bench import memory
+
+        memory.run(args.json, args.plot, args.traces, args.models, args.requests or 500, _bytes(args.budget),
+                   tuple(args.policies or memory.POLICIES))
+    elif args.what == "kernels":
+        from vattn.bench import kernels
+
+        kernels.run(args.json, args.plot, batches=args.batches or [1, 8, 32], contexts=args.contexts,
+                    dtypes=args.dtypes, repeats=args.repeats)
+    elif args.what == "e2e":
+        from vattn.bench import e2e
+
+        e2e.run(args.json, args.plot, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+                block_sizes=args.block_sizes)
+
+
+def _bytes(text: str | None) -> int | None:
+    """'8GiB', '512MiB', '80e9' or a plain byte count."""
+    if text is None:
+        return None
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    low = text.strip().lower()
+    unit = next((u for u in units if low.endswith(u)), None)
+    try:
+        value = float(low[:-len(unit)] if unit else low) * (units[unit] if unit else 1)
+    except ValueError:
+        raise SystemExit(f"--budget: cannot read {text!r} as bytes (e.g. 8GiB, 512MiB, 60e9)") from None
+    if value < 1:
+        raise SystemExit(f"--budget must be positive, got {text!r}")
+    return int(value)
 
 
 DEMO_PROMPTS, DEMO_MAX_TOKENS = 32, 48
@@ -86,18 +117,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.set_defaults(func=demo)
     p = commands.add_parser("bench", help="benchmarks")
-    p.add_argument("what", choices=["vmm", "hf", "engine", "soak"])
+    p.add_argument("what", choices=["vmm", "hf", "engine", "soak", "memory", "kernels", "e2e"])
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    p.add_argument("--plot", metavar="DIR", help="memory, kernels, e2e: also write PNG charts there")
     p.add_argument("--repeats", type=int, default=15, help="runs per measurement (median reported)")
     p.add_argument("--steps", type=int, default=512, help="vmm: decode steps to time")
     p.add_argument("--new-tokens", type=int, nargs="+", default=[512, 2048], help="hf: tokens to generate")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="hf: batch sizes")
+    p.add_argument("--batches", type=int, nargs="+", help="hf, kernels: batch sizes (hf: 1 8; kernels: 1 8 32)")
     p.add_argument("--attn", choices=["sdpa", "vattn_sdpa", "eager"], default="sdpa",
                    help="hf: attention implementation for every cache")
-    p.add_argument("--num-prompts", type=int, default=64, help="engine: ShareGPT prompts")
-    p.add_argument("--max-tokens", type=int, default=64, help="engine: cap on each answer's length")
+    p.add_argument("--num-prompts", type=int, default=64, help="engine, e2e: ShareGPT prompts")
+    p.add_argument("--max-tokens", type=int, default=64, help="engine, e2e: cap on each answer's length")
     p.add_argument("--max-num-seqs", type=int, default=32, help="engine: sequences running at once")
-    p.add_argument("--requests", type=int, default=2000, help="soak: requests per preemption mode")
+    p.add_argument("--requests", type=int, help="soak: requests per preemption mode (2000); memory: per trace (500)")
+    from vattn.bench.memory import MODELS, POLICIES, TRACES
+
+    p.add_argument("--traces", nargs="+", choices=list(TRACES), default=list(TRACES), help="memory: traces")
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="memory: KV geometries")
+    p.add_argument("--budget", help="memory: KV memory in bytes, e.g. 60GiB (default: per model, small enough "
+                                    "that memory bounds the batch)")
+    p.add_argument("--policies", nargs="+", choices=POLICIES, help="memory: policies (default: all)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="kernels: context lengths")
+    p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"],
+                   help="kernels: dtypes")
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[16], help="e2e: paged baseline block sizes")
     p.set_defaults(func=bench)
     args = parser.parse_args(argv)
     args.func(args)

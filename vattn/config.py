@@ -22,7 +22,9 @@ class CacheConfig:
       a page holds every layer's K and V of a few tokens and large pages still
       give fine granularity.
     `memory_budget` is the physical KV memory in bytes (default: enough for
-    every slot at `max_seq_len`).
+    every slot at `max_seq_len`).  With `deferred_reclamation` a finished
+    request's pages stay mapped for the next one; without it they are
+    unmapped at once.
     """
 
     num_layers: int
@@ -35,6 +37,7 @@ class CacheConfig:
     layout: Literal["per_layer", "per_head", "interleaved"] = "per_layer"
     memory_budget: int | None = None
     device: str = "cpu"
+    deferred_reclamation: bool = True
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch", "max_seq_len", "page_size"):

@@ -1,4 +1,4 @@
-"""The serving engine: continuous batching, preemption and sharing over the virtual cache."""
+"""The serving engine: continuous batching, preemption and sharing over a KV cache."""
 from vattn.engine.config import EngineConfig
 from vattn.engine.llm_engine import LLMEngine
 from vattn.engine.request import CompletionOutput, RequestOutput

@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 
 PREEMPTION_MODES = ("recompute", "swap")
+KV_CACHES = ("virtual", "paged")
 
 
 @dataclass(slots=True)
@@ -12,7 +13,9 @@ class EngineConfig:
     (default: every slot at `max_seq_len`).  A request is admitted only while
     `watermark` of the pages would stay free or reclaimable.  `map_ahead`
     maps the pages the next step needs on a background thread while the
-    current step computes."""
+    current step computes.  `kv_cache="paged"` runs the same engine on the
+    paged baseline (`vattn.PagedKVCache`, blocks of `block_size` tokens;
+    `layout` and `page_size` are the virtual cache's)."""
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 256
@@ -24,14 +27,19 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     watermark: float = 0.01
     map_ahead: bool = True
+    deferred_reclamation: bool = True
+    kv_cache: str = "virtual"
+    block_size: int = 16
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"EngineConfig.preemption_mode must be one of {PREEMPTION_MODES}, "
                              f"got {self.preemption_mode!r}")
+        if self.kv_cache not in KV_CACHES:
+            raise ValueError(f"EngineConfig.kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")

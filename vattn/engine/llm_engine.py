@@ -1,7 +1,7 @@
 """The serving engine: requests in, tokens out, one scheduler step at a time.
 
 Drives an unmodified transformers model: its attention is swapped for
-`vattn.attention` (which writes K/V into the virtual cache and reads live rows
+`vattn.attention` (which writes K/V into the KV cache and reads live rows
 only), the model is called with `use_cache=False`, one flat batch per step,
 and the logits of the sequences that sample come back.
 """
@@ -22,6 +22,7 @@ from vattn.engine.request import CompletionOutput, Request, RequestMetrics, Requ
 from vattn.engine.sampler import sample
 from vattn.engine.scheduler import Scheduler, Work
 from vattn.hf import cache_config_for
+from vattn.paged import PagedKVCache
 from vattn.sampling_params import SamplingParams
 
 
@@ -31,9 +32,11 @@ class LLMEngine:
         switched to vattn's); `tokenizer` for text prompts, stop strings and
         output text; settings: `EngineConfig` fields."""
         self.config = config = config or EngineConfig(**settings)
-        self.cache = VirtualKVCache(cache_config_for(
-            model, max_batch=config.max_num_seqs, max_seq_len=config.max_seq_len, layout=config.layout,
-            page_size=config.page_size, memory_budget=config.memory_budget))
+        cache_config = cache_config_for(
+            model, max_batch=config.max_num_seqs, max_seq_len=config.max_seq_len, page_size=config.page_size,
+            memory_budget=config.memory_budget, deferred_reclamation=config.deferred_reclamation, layout=config.layout)
+        self.cache = (PagedKVCache(cache_config, config.block_size) if config.kv_cache == "paged"
+                      else VirtualKVCache(cache_config))
         attention.register()
         self._model_attention = model.config._attn_implementation  # given back by close()
         model.set_attn_implementation(attention.NAME)

@@ -1,4 +1,4 @@
-"""Iteration-level scheduling over the virtual cache.
+"""Iteration-level scheduling over a KV cache (virtual or paged).
 
 Every step: running requests first, oldest first, each given its next tokens
 (one per decoding sequence, a chunk of the prompt otherwise) and the pages
@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from vattn.backends import MapLimitError
-from vattn.cache import VirtualKVCache
+from vattn.slot_cache import SlotCache
 from vattn.engine.config import EngineConfig
 from vattn.engine.prefix_cache import PrefixCache
 from vattn.engine.request import Request, Sequence, Status
@@ -22,7 +22,7 @@ Work = list[tuple[Request, Sequence, int]]  # (request, sequence, tokens to comp
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: VirtualKVCache, prefix: PrefixCache | None):
+    def __init__(self, config: EngineConfig, cache: SlotCache, prefix: PrefixCache | None):
         self.config, self.cache, self.prefix = config, cache, prefix
         self.waiting: list[Request] = []  # each list in arrival order
         self.running: list[Request] = []

@@ -1,0 +1,60 @@
+"""The paged baseline: block tables, gathers, and sharing by reference counts."""
+import torch
+
+from conftest import fill, make_cache
+
+
+def test_tokens_land_in_the_blocks_the_table_names():
+    cache = make_cache("paged", block_size=16)
+    a, b = cache.allocate(40), cache.allocate(20)
+    data = fill(cache, a, 40)
+    fill(cache, b, 20, seed=1)
+    assert cache.block_table(a) == [0, 1, 2] and cache.block_table(b) == [3, 4]
+    for t in (0, 15, 16, 39):
+        row = cache.block_table(a)[t // 16] * 16 + t % 16
+        assert torch.equal(cache._pools[2][row], data[1][0][t])  # layer 1's K
+    assert cache.map_calls == 0 and cache.config.page_size == 16 * cache.config.token_bytes
+
+
+def test_gather_reads_live_rows_and_zeros_past_a_table():
+    cache = make_cache("paged", block_size=4)
+    a, b = cache.allocate(10), cache.allocate(3)
+    ka = fill(cache, a, 10)[0][0]
+    kb = fill(cache, b, 3, seed=2)[0][0]
+    K, _ = cache.rows_kv(0, a, b + 1, 10)
+    assert K.shape == (2, 10, 3, 8)
+    assert torch.equal(K[0], ka) and torch.equal(K[1, :3], kb)
+    assert not K[1, 4:].any()  # b has one block: past it, the zero block
+    again, _ = cache.rows_kv(0, a, b + 1, 10)
+    assert again.data_ptr() == K.data_ptr()  # one reused buffer
+
+
+def test_forks_share_blocks_and_copy_the_tail():
+    cache = make_cache("paged", block_size=16)
+    a = cache.allocate(40)
+    data = fill(cache, a, 40)
+    b = cache.fork(a, 40)
+    assert cache.block_table(b)[:2] == cache.block_table(a)[:2]  # full blocks shared
+    assert cache.block_table(b)[2] != cache.block_table(a)[2]  # the tail block copied
+    assert cache.pool.num_shared == 2
+    for layer in range(2):
+        assert torch.equal(cache.live_kv(b, layer)[0], data[layer][0])
+    assert cache.grow(b, 41)
+    cache.write(0, [b], [40], *(torch.ones(1, 1, 3, 8),) * 2)  # the private tail takes it
+    assert cache.length(a, 0) == 40 and torch.equal(cache.live_kv(a, 0)[0], data[0][0])
+    cache.free(a)
+    cache.free(b)
+    cache.check()
+
+
+def test_swap_round_trip_and_trim():
+    cache = make_cache("paged", block_size=16, pages=8)
+    a = cache.allocate(100)
+    data = fill(cache, a, 100)
+    swapped = cache.swap_out(a)
+    assert cache.stats().pages_mapped == 0
+    back = cache.swap_in(swapped)
+    for layer in range(2):
+        assert torch.equal(cache.live_kv(back, layer)[1], data[layer][1])
+    cache.free(back)
+    assert cache.trim() == 7 * cache.config.num_buffers and cache.stats().pages_free == cache.stats().pages_total
