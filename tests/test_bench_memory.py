@@ -25,7 +25,7 @@ def test_orca_max_on_a_hand_computed_trace():
 def test_static_reservations_and_first_fit():
     assert [memory.reservation(p, 100, 2048) for p in memory.STATIC] == [2048, 128, 100]
     assert memory.reservation("orca_pow2", 1500, 1024) == 1024  # never past max_seq_len
-    arena = {0: (0, 4), 1: (6, 10)}
+    arena = [(6, 10), (0, 4)]
     assert memory._first_fit(arena, 2, 12) == 4  # the hole between the two
     assert memory._first_fit(arena, 3, 13) == 10  # after them
     assert memory._first_fit(arena, 3, 12) is None

@@ -49,7 +49,10 @@ class PagedKVCache(SlotCache):
         self._pools = [self.backend.tensor(self._reservation, c.dtype, (blocks * block_size, H, D), (H * D, D, 1),
                                            b * blocks * c.page_size // size) for b in range(c.num_buffers)]
         self._gathered = [torch.empty(0, H, D, dtype=c.dtype, device=self.device) for _ in range(2)]
-        self._index: dict[tuple[int, int, int], torch.Tensor] = {}  # gather rows, while the tables hold
+        # gather rows per (lo, hi, length), built once a step for every layer and dropped when a table
+        # changes; the mapping worker only appends past a slot's length or takes idle and surplus
+        # blocks, which rows past the lengths may read stale anyway (masked, finite)
+        self._index: dict[tuple[int, int, int], torch.Tensor] = {}
 
     def rows_kv(self, layer: int, lo: int, hi: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Gathered into one buffer for K and one for V, reused by the next call."""

@@ -135,53 +135,59 @@ def reservation(policy: str, tokens: int, max_seq_len: int) -> int:
     return tokens
 
 
+@dataclass(slots=True)
+class _Reservation:
+    prompt: int
+    output: int
+    start: int  # bytes of the arena it holds
+    end: int
+    tokens: int = 0  # the prompt and the tokens sampled so far
+    computed: int = 0  # tokens whose KV is stored
+
+
 def replay_static(policy: str, trace: Trace, token_bytes: int, budget: int, max_num_seqs: int,
                   max_num_batched_tokens: int, max_seq_len: int) -> Tally:
-    waiting = list(enumerate(trace))
-    arena: dict[int, tuple[int, int]] = {}  # request -> (start, end) bytes
-    running: list[list[int]] = []  # [request, prompt, output, tokens, computed]
+    waiting = list(trace)
+    running: list[_Reservation] = []
     tally = Tally()
     while waiting or running:
         budget_tokens = max_num_batched_tokens
         work = []
-        for seq in running:
-            n = min(seq[3] - seq[4], budget_tokens)
+        for r in running:  # running requests first, as the engine schedules them
+            n = min(r.tokens - r.computed, budget_tokens)
             if n:
-                work.append((seq, n))
+                work.append((r, n))
                 budget_tokens -= n
         while waiting and budget_tokens and len(running) < max_num_seqs:
-            i, (prompt, output) = waiting[0]
+            prompt, output = waiting[0]
             size = reservation(policy, prompt + output, max_seq_len) * token_bytes
-            start = _first_fit(arena, size, budget)
+            start = _first_fit([(r.start, r.end) for r in running], size, budget)
             if start is None:
                 if not running:
-                    raise ValueError(f"request {i} reserves {size} bytes; the budget holds {budget}")
+                    raise ValueError(f"request {len(trace) - len(waiting)} reserves {size} bytes; "
+                                     f"the budget holds {budget}")
                 break
             waiting.pop(0)
-            arena[i] = (start, start + size)
-            seq = [i, prompt, output, prompt, 0]
-            running.append(seq)
-            n = min(prompt, budget_tokens)
-            work.append((seq, n))
-            budget_tokens -= n
-        holes = max((end for _, end in arena.values()), default=0) - sum(e - s for s, e in arena.values())
-        for seq, n in work:
-            seq[4] += n
-            if seq[4] == seq[3]:
-                seq[3] += 1  # a token is sampled
-        for seq in [s for s in running if s[3] - s[1] == s[2]]:  # all its tokens are out
-            running.remove(seq)
-            del arena[seq[0]]
-            tally.completed += 1
-        held = [(s[4] * token_bytes, arena[s[0]][1] - arena[s[0]][0], (s[1] + s[2]) * token_bytes)
-                for s in running]
-        tally.step(held, external=holes if waiting else 0)
+            running.append(r := _Reservation(prompt, output, start, start + size, tokens=prompt))
+            work.append((r, min(prompt, budget_tokens)))
+            budget_tokens -= work[-1][1]
+        holes = max((r.end for r in running), default=0) - sum(r.end - r.start for r in running)
+        for r, n in work:
+            r.computed += n
+            if r.computed == r.tokens:
+                r.tokens += 1  # a token is sampled
+        done = [r for r in running if r.tokens - r.prompt == r.output]
+        running = [r for r in running if r not in done]
+        tally.completed += len(done)
+        tally.step([(r.computed * token_bytes, r.end - r.start, (r.prompt + r.output) * token_bytes) for r in running],
+                   external=holes if waiting else 0)
     return tally
 
 
-def _first_fit(arena: dict[int, tuple[int, int]], size: int, budget: int) -> int | None:
+def _first_fit(taken: list[tuple[int, int]], size: int, budget: int) -> int | None:
+    """The lowest start of `size` free bytes among the `taken` ranges, if any."""
     start = 0
-    for lo, hi in sorted(arena.values()):
+    for lo, hi in sorted(taken):
         if lo - start >= size:
             return start
         start = hi
