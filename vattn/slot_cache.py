@@ -202,8 +202,8 @@ class SlotCache(ABC):
 
     def trim(self) -> int:
         """Reclaim every idle page and give the memory of all free pages back
-        to the OS (they read as zeros when next used).  Returns the physical
-        pages reclaimed from idle slots."""
+        where the storage can (the virtual cache's read as zeros when next
+        used).  Returns the physical pages reclaimed from idle slots."""
         idle = sum(len(s.pages) for s in self._slots if not s.active)
         reclaimed = self._reclaim(idle, {})  # idle slots come first
         self._release(self.pool.free_pages())

@@ -5,37 +5,26 @@ batches; the figures `vllm bench` prints, side by side.  Every system must
 give the vattn engine's tokens: the table says how many requests match."""
 import gc
 
+from vattn.bench.engine import serve, workload
 from vattn.bench.report import print_table, write_json
-
-SYSTEMS = ("vattn", "paged", "hf_continuous_batching", "hf_static")
 
 
 def run(json_path: str | None, plot_dir: str | None, num_prompts: int = 64, max_tokens: int = 64,
-        block_sizes: list[int] = (16,), systems: tuple[str, ...] = SYSTEMS) -> dict:
-    from vattn import LLM
+        block_sizes: list[int] = (16,)) -> dict:
     from vattn.bench import hf_serving
-    from vattn.bench.engine import serve, workload
     from vattn.models import ENGINE_DTYPE, load_smollm2
 
     model, tokenizer = load_smollm2(dtype=ENGINE_DTYPE)
     _, prompts, params = workload(tokenizer, num_prompts, max_tokens)
-    runs = {}
-    for system in systems:
-        if system in ("vattn", "paged"):
-            for settings in ([{}] if system == "vattn" else [dict(kv_cache="paged", block_size=b) for b in block_sizes]):
-                llm = LLM(model, tokenizer, **settings)
-                name = f"paged_{settings['block_size']}" if settings else "vattn"
-                runs[name] = serve(llm, prompts, params)
-                llm.engine.close()
-        elif system == "hf_continuous_batching":
-            runs[system] = hf_serving.serve_continuous_batching(model, prompts, params)
-        else:
-            runs[system] = hf_serving.serve_static(model, prompts, params)
-        gc.collect()
-    reference = [o.outputs[0].token_ids for o in runs["vattn"][0]] if "vattn" in runs else None
+    runs = {"vattn": _engine(model, tokenizer, prompts, params)}
+    for b in block_sizes:
+        runs[f"paged_{b}"] = _engine(model, tokenizer, prompts, params, kv_cache="paged", block_size=b)
+    runs["hf_continuous_batching"] = hf_serving.serve_continuous_batching(model, prompts, params)
+    runs["hf_static"] = hf_serving.serve_static(model, prompts, params)
+    reference = [o.outputs[0].token_ids for o in runs["vattn"][0]]
     rows = []
     for name, (outputs, f) in runs.items():
-        same = sum(o.outputs[0].token_ids == r for o, r in zip(outputs, reference)) if reference else None
+        same = sum(o.outputs[0].token_ids == r for o, r in zip(outputs, reference))
         rows.append({"system": name, "output_tok_per_s": f["output_tok_per_s"], "req_per_s": f["req_per_s"],
                      "ttft_ms": f["ttft_ms"], "tpot_ms": f["tpot_ms"], "itl_ms": f["itl_ms"], "e2el_ms": f["e2el_ms"],
                      "seconds": f["seconds"], "output_tokens": f["output_tokens"], "same_tokens_as_vattn": same})
@@ -45,7 +34,7 @@ def run(json_path: str | None, plot_dir: str | None, num_prompts: int = 64, max_
                  "same tokens as vattn"],
                 [[r["system"], f"{r['output_tok_per_s']:.1f}", f"{r['req_per_s']:.2f}", f"{r['ttft_ms']['median']:,.0f}",
                   f"{r['tpot_ms']['median']:,.0f}", f"{r['e2el_ms']['median']:,.0f}",
-                  "—" if r["same_tokens_as_vattn"] is None else f"{r['same_tokens_as_vattn']}/{num_prompts}"]
+                  f"{r['same_tokens_as_vattn']}/{num_prompts}"]
                  for r in rows])
     write_json(json_path, result)
     if plot_dir:
@@ -59,9 +48,19 @@ def run(json_path: str | None, plot_dir: str | None, num_prompts: int = 64, max_
     return result
 
 
+def _engine(model, tokenizer, prompts, params, **settings) -> tuple[list, dict]:
+    """The requests through a fresh engine with `settings`."""
+    from vattn import LLM
+
+    llm = LLM(model, tokenizer, **settings)
+    try:
+        return serve(llm, prompts, params)
+    finally:
+        llm.engine.close()
+        gc.collect()
+
+
 def targets(rows: list[dict]) -> dict:
     """vattn's output tok/s over each other system's."""
     by = {r["system"]: r["output_tok_per_s"] for r in rows}
-    if "vattn" not in by:
-        return {}
     return {f"vattn_vs_{name}": by["vattn"] / tps for name, tps in by.items() if name != "vattn" and tps}
