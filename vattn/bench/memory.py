@@ -223,12 +223,10 @@ class TraceModel:
 
 def engine_settings(policy: str) -> dict:
     """EngineConfig settings of a paged or virtual policy name."""
-    parts = policy.split("_")
-    if parts[0] == "paged":
-        return dict(kv_cache="paged", block_size=int(parts[1]))
-    layout = "_".join(parts[1:-1]) if parts[-1] != "nodefer" else "_".join(parts[1:-2])
-    page = parts[-1] if parts[-1] != "nodefer" else parts[-2]
-    return dict(layout=layout, page_size=PAGE_SIZES[page], deferred_reclamation=parts[-1] != "nodefer")
+    if policy.startswith("paged_"):
+        return dict(kv_cache="paged", block_size=int(policy.removeprefix("paged_")))
+    _, *layout, page = policy.removesuffix("_nodefer").split("_")
+    return dict(layout="_".join(layout), page_size=PAGE_SIZES[page], deferred_reclamation=not policy.endswith("_nodefer"))
 
 
 def replay_engine(policy: str, trace: Trace, geometry: Geometry, budget: int, max_num_seqs: int,
