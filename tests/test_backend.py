@@ -1,4 +1,5 @@
-"""The backend contract, on the real host backend."""
+"""The backend contract, on the real host backend and, where a GPU and its
+driver are present, the CUDA backend (skipped elsewhere, with the reason)."""
 import gc
 import os
 import subprocess
@@ -8,10 +9,13 @@ import pytest
 import torch
 
 from vattn import _native
-from vattn.backends import HostBackend, get_backend
+from vattn.backends import CudaBackend, HostBackend, get_backend
+from vattn.backends.cuda import unavailable
 
-BACKENDS = [HostBackend]
-PAGE_SIZES = [4096, 64 << 10, 256 << 10, 2 << 20]
+NO_CUDA = unavailable()
+BACKENDS = [HostBackend, pytest.param(CudaBackend, marks=pytest.mark.skipif(
+    NO_CUDA is not None, reason=f"CUDA backend contract: {NO_CUDA}"))]
+PAGE_SIZES = [4096, 64 << 10, 256 << 10, 2 << 20, 4 << 20]
 
 
 @pytest.fixture(params=BACKENDS, ids=lambda b: b.name)
@@ -23,26 +27,50 @@ def bytes_view(backend, reservation):
     return backend.tensor(reservation, torch.uint8, (reservation.nbytes,), (1,))
 
 
+def page(backend, size=64 << 10):
+    """A page size the backend takes: `size`, or its granularity if larger."""
+    return max(size, backend.granularity)
+
+
+def reserve(backend, nbytes):
+    """Zero-backed where the backend can be; kernels below read mapped pages only."""
+    return backend.reserve(nbytes, zero_backed=backend.zero_backing)
+
+
 @pytest.mark.parametrize("page_size", PAGE_SIZES, ids=lambda s: f"{s >> 10}k")
 def test_map_write_unmap(backend, page_size):
-    res = backend.reserve(4 * page_size, zero_backed=True)
+    if page_size % backend.granularity:
+        pytest.skip(f"{page_size} bytes is not a multiple of the {backend.name} granularity")
+    res = reserve(backend, 4 * page_size)
     pool = backend.create_pool(4, page_size)
     view = bytes_view(backend, res)
-    assert int(view.sum()) == 0  # zero-backed: unmapped pages read as zeros
     backend.map(res, pool, [page_size, 3 * page_size], [2, 0])
+    assert int(view[page_size:2 * page_size].sum()) == 0  # fresh pages read as zeros
     view[page_size:page_size + 5] = 7
     view[3 * page_size] = 9
     backend.unmap(res, pool, [page_size, 3 * page_size])
-    assert int(view.sum()) == 0
     # the bytes live in the physical pages: map them elsewhere and read them back
     backend.map(res, pool, [0, 2 * page_size], [2, 0])
     assert view[:5].tolist() == [7] * 5 and int(view[2 * page_size]) == 9
     backend.unmap(res, pool, [0, 2 * page_size])
 
 
-def test_one_page_at_two_addresses_is_shared(backend):
+def test_unmapped_pages_read_as_zeros_on_the_host():
+    backend = HostBackend()
     size = 64 << 10
     res = backend.reserve(2 * size, zero_backed=True)
+    pool = backend.create_pool(1, size)
+    view = bytes_view(backend, res)
+    assert int(view.sum()) == 0
+    backend.map(res, pool, [size], [0])
+    view[size:] = 1
+    backend.unmap(res, pool, [size])
+    assert int(view.sum()) == 0
+
+
+def test_one_page_at_two_addresses_is_shared(backend):
+    size = page(backend)
+    res = reserve(backend, 2 * size)
     pool = backend.create_pool(1, size)
     backend.map(res, pool, [0, size], [0, 0])
     view = bytes_view(backend, res)
@@ -50,7 +78,8 @@ def test_one_page_at_two_addresses_is_shared(backend):
     assert int(view[size + 10]) == 42
 
 
-def test_release_returns_memory_and_zeroes(backend):
+def test_host_release_returns_memory_and_zeroes():
+    backend = HostBackend()
     size = 64 << 10
     res = backend.reserve(size, zero_backed=True)
     pool = backend.create_pool(2, size)
@@ -65,7 +94,8 @@ def test_release_returns_memory_and_zeroes(backend):
     assert int(bytes_view(backend, res).sum()) == 0
 
 
-def test_untouched_mapped_pages_cost_nothing(backend):
+def test_untouched_mapped_pages_cost_nothing_on_the_host():
+    backend = HostBackend()
     size = 2 << 20
     res = backend.reserve(64 * size)
     pool = backend.create_pool(64, size)
@@ -75,40 +105,59 @@ def test_untouched_mapped_pages_cost_nothing(backend):
     assert backend.committed_bytes(pool) == backend.granularity  # one OS page touched
 
 
+def test_tensors_are_zero_copy_on_the_backend_device(backend):
+    size = page(backend)
+    res = reserve(backend, 2 * size)
+    pool = backend.create_pool(1, size)
+    backend.map(res, pool, [size], [0])
+    t = backend.tensor(res, torch.float32, (4, 8), (16, 1), offset=size // 4 + 4)
+    assert t.device == backend.device and t.data_ptr() == res.addr + size + 16
+    t.fill_(2.5)
+    assert float(bytes_view(backend, res)[size + 16:size + 16 + 32].view(torch.float32).sum()) == 20.0
+
+
 def test_tensor_views_keep_the_reservation_alive(backend):
-    res = backend.reserve(1 << 20, zero_backed=True)
+    size = page(backend)
+    res = reserve(backend, size)
+    pool = backend.create_pool(1, size)
+    backend.map(res, pool, [0], [0])
     t = backend.tensor(res, torch.float32, (4, 8), (16, 1), offset=4)
+    t.fill_(1.0)
     del res
     gc.collect()
-    assert float(t.sum()) == 0.0  # still readable: the range was not released under the view
+    assert float(t.sum()) == 32.0  # still readable: the range was not released under the view
 
 
 def test_tensor_cannot_reach_past_the_reservation(backend):
-    res = backend.reserve(4096)
+    res = reserve(backend, page(backend, 4096))
     with pytest.raises(RuntimeError):
-        backend.tensor(res, torch.float32, (2048,), (1,))
+        backend.tensor(res, torch.float32, (res.nbytes // 2,), (1,))
 
 
-@pytest.mark.parametrize("bad", [0, 1000, 4096 + 1])
-def test_bad_page_size(backend, bad):
-    with pytest.raises(ValueError, match="page_size must be a positive multiple"):
-        backend.create_pool(1, bad)
+def test_bad_page_size(backend):
+    g = backend.granularity
+    for bad in (0, 1000, g + 1):
+        with pytest.raises(ValueError, match="page_size must be a positive multiple"):
+            backend.create_pool(1, bad)
 
 
 def test_bad_offsets_map_nothing(backend):
-    size = 64 << 10
-    res = backend.reserve(2 * size, zero_backed=True)
+    size = page(backend)
+    res = reserve(backend, 2 * size)
     pool = backend.create_pool(2, size)
     view = bytes_view(backend, res)
     for offsets, pages, what in [([0, 2 * size], [0, 1], "virtual"), ([0, 100], [0, 1], "virtual"),
                                  ([0, size], [0, 2], "physical"), ([-4096], [0], "virtual")]:
         with pytest.raises(ValueError, match=what):
             backend.map(res, pool, offsets, pages)
-        assert int(view.sum()) == 0 and backend.committed_bytes(pool) == 0
+        if backend.zero_backing:
+            assert int(view.sum()) == 0 and backend.committed_bytes(pool) == 0
     with pytest.raises(ValueError, match="2 virtual offsets but 1 physical"):
         backend.map(res, pool, [0, size], [0])
     with pytest.raises(TypeError):
         backend.map(res, pool, ["x"], [0])
+    backend.map(res, pool, [0, size], [1, 0])  # nothing was left half-mapped in the way
+    assert int(view.sum()) == 0
 
 
 def test_reservation_and_pool_sizes_are_checked():
@@ -131,6 +180,21 @@ def test_os_errors_carry_errno_text():
 def test_unknown_device():
     with pytest.raises(ValueError, match="no VMM backend for device 'meta'"):
         get_backend("meta")
+
+
+def test_dlpack_capsule_holds_its_owner_until_consumed_or_dropped():
+    res = _native.Reservation(4096, True)
+    base = sys.getrefcount(res)
+    capsule = _native.dlpack(res, res.addr, res.nbytes, 1, 0)
+    assert sys.getrefcount(res) == base + 1
+    del capsule  # dropped unconsumed: the capsule's own destructor lets go
+    assert sys.getrefcount(res) == base
+    t = torch.from_dlpack(_native.dlpack(res, res.addr, res.nbytes, 1, 0))
+    assert sys.getrefcount(res) == base + 1 and t.data_ptr() == res.addr
+    del t
+    assert sys.getrefcount(res) == base
+    with pytest.raises(ValueError, match="positive size"):
+        _native.dlpack(res, res.addr, 0, 1, 0)
 
 
 MAP_LIMIT_SCRIPT = """

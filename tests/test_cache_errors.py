@@ -131,8 +131,3 @@ def test_bad_block_size():
 def test_page_size_must_suit_the_backend():
     with pytest.raises(ValueError, match="page_size must be a positive multiple of 4096"):
         make_cache(page_size=6000)
-
-
-def test_cuda_device_without_backend():
-    with pytest.raises(ValueError, match="no VMM backend for device 'cuda'"):
-        make_cache(device="cuda")

@@ -10,9 +10,14 @@ def vattn(*args):
 
 
 def test_info():
+    from vattn.backends.cuda import unavailable
+
     out = vattn("info")
-    for field in ("backend", "host (mmap + memfd)", "vm.max_map_count", "default page size", "torch"):
+    for field in ("host backend", "host (mmap + memfd)", "vm.max_map_count", "default page size", "torch",
+                  "CUDA backend"):
         assert field in out
+    why = unavailable()
+    assert ("unavailable: " + why[:20] if why else "ready: ") in " ".join(out.split())
 
 
 def test_bench_vmm_writes_json(tmp_path):

@@ -1,9 +1,13 @@
 """Tiny random models of the architectures the cache and engine are checked on."""
 import torch
+import transformers
+from packaging.version import Version
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=95, bos_token_id=1)
+# generate()'s keyword for a cache object (`past_key_values` before transformers 5.24)
+CACHE_KEYWORD = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
 TINY = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),

@@ -6,8 +6,11 @@ all, by the layout) is reserved up front for `max_batch` slots of
 (`vattn.slot_cache`), mapped on demand by the VMM backend.  Kernels read a
 layer's K and V as ordinary strided tensors over the reservation.
 
-The whole reservation is zero-backed: an address with no page reads as zeros,
-so kernels that read the whole-buffer views past a slot's length cannot fault.
+On the host the whole reservation is zero-backed: an address with no page
+reads as zeros, so kernels that read the whole-buffer views past a slot's
+length cannot fault.  CUDA has no such zero page: kernels read a slot's rows
+only as far as its pages reach (`readable`), and FlashAttention as far as the
+lengths it is given.
 """
 import torch
 
@@ -26,7 +29,8 @@ class VirtualKVCache(SlotCache):
         self.backend.check_page_size(c.page_size)
         self.device = self.backend.device
         self._buffer_bytes = c.max_batch * c.slot_bytes
-        self._reservation = self.backend.reserve(c.num_buffers * self._buffer_bytes, zero_backed=True)
+        self._reservation = self.backend.reserve(c.num_buffers * self._buffer_bytes,
+                                                 zero_backed=self.backend.zero_backing)
         self._physical = self.backend.create_pool(self.pool.num_pages * c.num_buffers, c.page_size)
         self._bytes = self.backend.tensor(self._reservation, torch.uint8,
                                           (c.num_buffers, c.max_batch, c.slot_bytes),
@@ -48,14 +52,23 @@ class VirtualKVCache(SlotCache):
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole-buffer K and V of `layer`, `[max_batch, max_seq_len, H, D]`, for
-        kernels given each slot's length.  Every row is safe to read: past a
-        slot's length it holds zeros or finite stale values."""
+        kernels given each slot's length.  On the host every row is safe to
+        read (past a slot's length it holds zeros or finite stale values); on
+        CUDA only the rows of mapped pages (`readable`)."""
         self._check_layer(layer)
         return self._k[layer], self._v[layer]
 
     def rows_kv(self, layer: int, lo: int, hi: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         K, V = self.layer_kv(layer)
         return K[lo:hi, :length], V[lo:hi, :length]
+
+    def readable(self, lo: int, hi: int, length: int) -> bool:
+        """Without the zero page: only pages the mapping worker cannot take
+        count (an active slot's, up to its size; not idle or spare pages)."""
+        c = self.config
+        need = c.pages_for(length)
+        return self._reservation.zero_backed or all(
+            s.active and min(len(s.pages), c.pages_for(s.tokens)) >= need for s in self._slots[lo:hi])
 
     def _store(self, layer, slots, positions, key, value) -> None:
         K, V = self._k[layer], self._v[layer]

@@ -10,20 +10,26 @@ def info(args) -> None:
 
     import vattn
     from vattn.backends import get_backend
+    from vattn.backends.cuda import unavailable
     from vattn.bench.report import print_table
-    from vattn.config import CacheConfig
 
     backend = get_backend("cpu")
+    why = unavailable()
+    if why is None:
+        gpu = get_backend("cuda")
+        cuda = f"ready: {torch.cuda.get_device_name(gpu.device)}, pages of {gpu.granularity >> 20} MiB"
+    else:
+        cuda = f"unavailable: {why}"
     with open("/proc/sys/vm/max_map_count") as f:
         max_maps = int(f.read())
     with open("/proc/self/maps") as f:
         maps_now = sum(1 for _ in f)
-    default_page = CacheConfig.__dataclass_fields__["page_size"].default
     print_table("vattn", ["", "value"], [
         ["vattn", vattn.__version__],
-        ["backend", f"{backend.name} (mmap + memfd)"],
+        ["host backend", f"{backend.name} (mmap + memfd)"],
         ["OS page size / granularity", f"{backend.granularity} B"],
-        ["default page size", f"{default_page // (1 << 20)} MiB"],
+        ["default page size", "2 MiB"],
+        ["CUDA backend", cuda],
         ["vm.max_map_count", max_maps],
         ["mappings in this process", maps_now],
         ["torch", torch.__version__],
@@ -49,7 +55,7 @@ def bench(args) -> None:
     if args.what == "vmm":
         from vattn.bench import vmm
 
-        vmm.run(args.json, repeats=args.repeats, steps=args.steps)
+        vmm.run(args.json, repeats=args.repeats, steps=args.steps, device=args.device)
     elif args.what == "hf":
         from vattn.bench import hf
 
@@ -57,7 +63,8 @@ def bench(args) -> None:
     elif args.what == "engine":
         from vattn.bench import engine
 
-        engine.run(args.json, num_prompts=args.num_prompts, max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs)
+        engine.run(args.json, num_prompts=args.num_prompts, max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs,
+                   device=args.device)
     elif args.what == "soak":
         from vattn.bench import soak
 
@@ -71,7 +78,11 @@ def bench(args) -> None:
         from vattn.bench import kernels
 
         kernels.run(args.json, args.plot, batches=args.batches or [1, 8, 32], contexts=args.contexts,
-                    dtypes=args.dtypes, repeats=args.repeats)
+                    dtypes=args.dtypes, repeats=args.repeats, device=args.device)
+    elif args.what == "gpu":
+        from vattn.bench import gpu
+
+        gpu.run(args.json, num_prompts=args.num_prompts, max_tokens=args.max_tokens)
     elif args.what == "e2e":
         from vattn.bench import e2e
 
@@ -117,10 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.set_defaults(func=demo)
     p = commands.add_parser("bench", help="benchmarks")
-    p.add_argument("what", choices=["vmm", "hf", "engine", "soak", "memory", "kernels", "e2e"])
+    p.add_argument("what", choices=["vmm", "hf", "engine", "soak", "memory", "kernels", "e2e", "gpu"])
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--plot", metavar="DIR", help="memory, kernels, e2e: also write PNG charts there")
     p.add_argument("--repeats", type=int, default=15, help="runs per measurement (median reported)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="vmm, kernels, engine: where to run")
     p.add_argument("--steps", type=int, default=512, help="vmm: decode steps to time")
     p.add_argument("--new-tokens", type=int, nargs="+", default=[512, 2048], help="hf: tokens to generate")
     p.add_argument("--batches", type=int, nargs="+", help="hf, kernels: batch sizes (hf: 1 8; kernels: 1 8 32)")

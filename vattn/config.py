@@ -21,10 +21,13 @@ class CacheConfig:
     - `"interleaved"` keeps one buffer `[max_batch, max_seq_len, L, 2, H, D]`, so
       a page holds every layer's K and V of a few tokens and large pages still
       give fine granularity.
-    `memory_budget` is the physical KV memory in bytes (default: enough for
-    every slot at `max_seq_len`).  With `deferred_reclamation` a finished
-    request's pages stay mapped for the next one; without it they are
-    unmapped at once.
+    `layout` and `page_size` default to `"per_layer"` and 2 MiB on the host,
+    and on CUDA to `"interleaved"` and the driver's page granularity (2 MiB on
+    current GPUs), so a page still holds only a few tokens.  `memory_budget`
+    is the physical KV memory in bytes (default: enough for every slot at
+    `max_seq_len`; on CUDA at most `gpu_memory_utilization` of the free
+    device memory).  With `deferred_reclamation` a finished request's pages
+    stay mapped for the next one; without it they are unmapped at once.
     """
 
     num_layers: int
@@ -33,13 +36,26 @@ class CacheConfig:
     dtype: torch.dtype = torch.float16
     max_batch: int = 8
     max_seq_len: int = 2048
-    page_size: int = 2 * MiB
-    layout: Literal["per_layer", "per_head", "interleaved"] = "per_layer"
+    page_size: int | None = None
+    layout: Literal["per_layer", "per_head", "interleaved"] | None = None
     memory_budget: int | None = None
     device: str = "cpu"
     deferred_reclamation: bool = True
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self):
+        try:
+            cuda = torch.device(self.device).type == "cuda"
+        except (RuntimeError, TypeError):
+            raise ValueError(f"CacheConfig.device must name a torch device, got {self.device!r}") from None
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization!r}")
+        backend = _backend(self.device) if cuda and (self.page_size is None or self.memory_budget is None) else None
+        if self.layout is None:
+            self.layout = "interleaved" if cuda else "per_layer"
+        if self.page_size is None:
+            self.page_size = backend.granularity if cuda else 2 * MiB
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch", "max_seq_len", "page_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -48,6 +64,10 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.dtype must be a torch.dtype, got {self.dtype!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"CacheConfig.layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if cuda and self.memory_budget is None:
+            free, _ = backend.memory()
+            self.memory_budget = min(self.max_batch * self.pages_per_slot * self.page_group_bytes,
+                                     int(self.gpu_memory_utilization * free))
         if self.memory_budget is not None and self.memory_budget < self.page_group_bytes:
             raise ValueError(f"CacheConfig.memory_budget={self.memory_budget} is smaller than one page group "
                              f"({self.page_group_bytes} bytes: one {self.page_size}-byte page in each of "
@@ -91,3 +111,9 @@ class CacheConfig:
     def pages_for(self, tokens: int) -> int:
         """Pages (per buffer) that hold `tokens` tokens."""
         return -(-tokens * self.token_bytes // self.page_size)
+
+
+def _backend(device: str):
+    from vattn.backends import get_backend
+
+    return get_backend(device)

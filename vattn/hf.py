@@ -73,13 +73,17 @@ class VAttnCache(Cache):
         self._capacity = 0  # tokens every row is sized for (kept here: it is checked on every update)
 
     @classmethod
-    def from_model(cls, model, max_batch: int, max_seq_len: int, *, layout: str = "per_head",
-                   page_size: int = 16 << 10, memory_budget: int | None = None) -> "VAttnCache":
-        """A cache with the geometry, dtype and device of `model`.  The per-head
-        layout hands attention `[batch, heads, tokens, head_dim]` views whose
-        rows are contiguous, as transformers' own caches do; on the host any
-        multiple of 4 KiB is a page, and 16 KiB keeps the granularity near 128
-        tokens for 64-dim bfloat16 heads."""
+    def from_model(cls, model, max_batch: int, max_seq_len: int, *, layout: str | None = None,
+                   page_size: int | None = None, memory_budget: int | None = None) -> "VAttnCache":
+        """A cache with the geometry, dtype and device of `model`.  On the host
+        the per-head layout (the default) hands attention `[batch, heads,
+        tokens, head_dim]` views whose rows are contiguous, as transformers'
+        own caches do; any multiple of 4 KiB is a page, and 16 KiB (the
+        default) keeps the granularity near 128 tokens for 64-dim bfloat16
+        heads.  On CUDA the defaults are `vattn.CacheConfig`'s: interleaved,
+        in pages of the driver's granularity."""
+        if model.device.type == "cpu":
+            layout, page_size = layout or "per_head", page_size or 16 << 10
         return cls(cache_config_for(model, max_batch=max_batch, max_seq_len=max_seq_len, layout=layout,
                                     page_size=page_size, memory_budget=memory_budget))
 

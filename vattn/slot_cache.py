@@ -20,7 +20,7 @@ another's tokens.
 import itertools
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -307,8 +307,9 @@ class SlotCache(ABC):
     def swap_out(self, slot: int) -> SwappedSlot:
         """Copy the slot's live bytes to host memory and give its pages back."""
         s = self._active(slot)
-        live = max(s.written) * self.config.token_bytes
-        data = self._read_bytes(slot, 0, live).to("cpu", copy=True)
+        src = self._read_bytes(slot, 0, max(s.written) * self.config.token_bytes)
+        data = torch.empty(src.shape, dtype=torch.uint8, pin_memory=src.is_cuda)  # pinned: DMA both ways
+        data.copy_(src)
         swapped = SwappedSlot(next(self._clock), data, s.tokens, tuple(s.written))
         self._truncate(slot, 0)
         self._make_idle(s)
@@ -334,10 +335,12 @@ class SlotCache(ABC):
     # ------------------------------------------------------------ data
 
     def write(self, layer: int, slots: Sequence[int], positions: Sequence[int],
-              key: torch.Tensor, value: torch.Tensor) -> None:
+              key: torch.Tensor, value: torch.Tensor, store: bool = True) -> None:
         """Store `key`/`value` `[B, T, H, D]` for `slots[i]` at tokens
         `positions[i] .. positions[i]+T-1` of `layer`.  A write may overwrite or
-        extend what the slot holds, not leave a gap."""
+        extend what the slot holds, not leave a gap.  With `store=False` the
+        write is checked and recorded but the bytes are left to the caller's
+        kernel (FlashAttention appends K/V in place)."""
         c = self.config
         self._check_layer(layer)
         slots, positions = list(slots), list(positions)
@@ -367,7 +370,8 @@ class SlotCache(ABC):
             if pos * c.token_bytes // c.page_size < self._shared_prefix(s):
                 raise ValueError(f"writing at token {pos} of slot {slot} would change a page it shares "
                                  f"with another slot")
-        self._store(layer, slots, positions, key, value)
+        if store:
+            self._store(layer, slots, positions, key, value)
         for slot, pos in zip(slots, positions):
             written = self._slots[slot].written
             written[layer] = max(written[layer], pos + T)
@@ -554,9 +558,14 @@ class SlotCache(ABC):
     @abstractmethod
     def rows_kv(self, layer: int, lo: int, hi: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V `[hi - lo, length, H, D]` of `layer`: the first `length`
-        tokens of slots lo..hi-1, for kernels given each slot's length.  Every
-        row is safe to read: past a slot's length it holds zeros or finite
-        stale values."""
+        tokens of slots lo..hi-1, for kernels given each slot's length.  Where
+        `readable(lo, hi, length)`, every row is safe to read: past a slot's
+        length it holds zeros or finite stale values; elsewhere read only
+        each slot's own rows."""
+
+    def readable(self, lo: int, hi: int, length: int) -> bool:
+        """Whether all `length` rows of slots lo..hi-1 may be read."""
+        return True
 
     def _release(self, groups: list[int]) -> None:
         """Give the memory of free page groups back, where the storage can."""

@@ -4,24 +4,31 @@ A backend hands out *reservations* (virtual ranges with nothing behind them)
 and *pools* (a fixed set of physical pages, all created up front so the hot
 path never allocates), and maps pool pages at page-aligned offsets of a
 reservation.  Offsets are in bytes from the reservation's start; pages are
-indices into the pool.
+indices into the pool.  A reservation has `.addr` and `.nbytes`; tensors over
+it are DLPack views on the backend's device that keep it alive.
 """
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
 
+from vattn import _native
+
+_DLPACK_DEVICES = {"cpu": 1, "cuda": 2}  # kDLCPU, kDLCUDA
+
 
 class Backend(ABC):
     name: str
     device: torch.device
     granularity: int  # page sizes must be multiples of this
+    zero_backing: bool  # whether `reserve(zero_backed=True)` is possible
 
     @abstractmethod
     def reserve(self, nbytes: int, zero_backed: bool = False):
-        """Reserve `nbytes` of virtual addresses.  With `zero_backed`, addresses
-        with no page mapped read as zeros (one shared read-only page) instead
-        of faulting, so a kernel that over-reads cannot crash."""
+        """Reserve `nbytes` of virtual addresses.  With `zero_backed` (where
+        `zero_backing`), addresses with no page mapped read as zeros (one
+        shared read-only page) instead of faulting, so a kernel that
+        over-reads cannot crash."""
 
     @abstractmethod
     def create_pool(self, num_pages: int, page_size: int):
@@ -38,18 +45,23 @@ class Backend(ABC):
 
     @abstractmethod
     def release(self, pool, pages: Sequence[int]) -> None:
-        """Give the memory of unmapped, unreferenced pages back; they read as
-        zeros when next mapped."""
+        """Give the memory of unmapped, unreferenced pages back where the
+        backend can (the host's then read as zeros when next mapped; a CUDA
+        pool is the budget, held from the start, so nothing happens)."""
 
     @abstractmethod
     def committed_bytes(self, pool) -> int:
         """Physical memory the pool holds now."""
 
-    @abstractmethod
     def tensor(self, reservation, dtype: torch.dtype, shape: Sequence[int], strides: Sequence[int],
                offset: int = 0) -> torch.Tensor:
         """A zero-copy tensor over the reservation (`offset` and `strides` in
-        elements of `dtype`)."""
+        elements of `dtype`) on this backend's device, built from a DLPack
+        capsule that names the device: nothing is copied, torch's allocator is
+        not involved, and the reservation lives as long as the tensor."""
+        capsule = _native.dlpack(reservation, reservation.addr, reservation.nbytes,
+                                 _DLPACK_DEVICES[self.device.type], self.device.index or 0)
+        return torch.from_dlpack(capsule).view(dtype).as_strided(shape, strides, offset)
 
     def check_page_size(self, page_size: int) -> None:
         if page_size <= 0 or page_size % self.granularity:

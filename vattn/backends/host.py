@@ -23,6 +23,7 @@ class HostBackend(Backend):
     name = "host"
     device = torch.device("cpu")
     granularity = _native.os_page_size()
+    zero_backing = True
 
     def reserve(self, nbytes: int, zero_backed: bool = False) -> _native.Reservation:
         return _native.Reservation(nbytes, zero_backed)
@@ -46,8 +47,3 @@ class HostBackend(Backend):
 
     def committed_bytes(self, pool: HostPool) -> int:
         return pool.file.committed()
-
-    def tensor(self, reservation, dtype, shape, strides, offset=0) -> torch.Tensor:
-        # frombuffer keeps `reservation` alive as long as the tensor lives.
-        base = torch.frombuffer(reservation, dtype=torch.uint8).view(dtype)
-        return base.as_strided(shape, strides, offset)

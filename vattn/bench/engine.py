@@ -66,11 +66,14 @@ def figure_rows(f: dict) -> list[list]:
     ]
 
 
-def run(json_path: str | None, num_prompts: int, max_tokens: int, max_num_seqs: int) -> dict:
+def run(json_path: str | None, num_prompts: int, max_tokens: int, max_num_seqs: int, device: str = "cpu") -> dict:
+    import torch
+
     from vattn import LLM
     from vattn.models import ENGINE_DTYPE, load_smollm2
 
-    model, tokenizer = load_smollm2(dtype=ENGINE_DTYPE)
+    model, tokenizer = load_smollm2(dtype=ENGINE_DTYPE if device == "cpu" else torch.bfloat16)
+    model = model.to(device)
     _, prompts, params = workload(tokenizer, num_prompts, max_tokens)
     results = {}
     for map_ahead in (True, False):
@@ -86,6 +89,7 @@ def run(json_path: str | None, num_prompts: int, max_tokens: int, max_num_seqs: 
         ["mapping ms per step without the worker", f"{maps['without_worker']:.3f}"],
         ["mapping / median step (with / without worker)",
          f"{shares['with_worker']:.2%} / {shares['without_worker']:.2%}"]]
-    print_table(f"engine: {num_prompts} ShareGPT prompts, SmolLM2-135M, max_num_seqs={max_num_seqs}", ["", ""], rows)
+    print_table(f"engine: {num_prompts} ShareGPT prompts, SmolLM2-135M on {device}, max_num_seqs={max_num_seqs}",
+                ["", ""], rows)
     write_json(json_path, f)
     return f

@@ -7,6 +7,12 @@ merge into one syscall and every path does exactly one mmap per page; the
 contiguous figure (neighbouring pages, merged into one syscall) shows what
 merging buys.  Then the mapping time per decode step of a cache
 whose 64 requests grow by one token per step.
+
+On CUDA (`--device cuda`): µs per call of `cuMemCreate`, `cuMemMap`,
+`cuMemSetAccess` (one page, and one call over a run of pages) and
+`cuMemUnmap` on pages of the driver's granularity, the backend's batched map
+(map + one set-access per run) and unmap per page, and the mapping time per
+decode step of the same 64 requests in the interleaved layout.
 """
 import random
 import statistics
@@ -65,10 +71,57 @@ def per_page_latency(page_size: int, num_pages: int, repeats: int, seed: int = 0
     return {k: statistics.median(v) / num_pages / 1e3 for k, v in samples.items()}
 
 
-def decode_step_mapping(page_size: int, layout: str, requests: int, steps: int, seed: int = 0) -> dict:
+def cuda_latency(num_pages: int = 64, repeats: int = 15) -> dict:
+    """Median µs per call (per page for the backend's batched calls)."""
+    from vattn.backends.cuda import CudaBackend, _check, _driver
+
+    backend, driver = CudaBackend(), _driver()
+    size, n = backend.granularity, num_pages
+    res = backend.reserve(n * size)
+    pool = backend.create_pool(n, size)
+    base, offsets = res.addr, [j * size for j in range(n)]
+    samples = {k: [] for k in ("cuMemCreate", "cuMemMap", "cuMemSetAccess (one page)",
+                               f"cuMemSetAccess ({n}-page run)", "cuMemUnmap", "backend map (per page)",
+                               "backend unmap (per page)")}
+
+    def timed(name, calls, per=1):
+        t0 = time.perf_counter_ns()
+        for call in calls:
+            _check(call(), name)
+        samples[name].append((time.perf_counter_ns() - t0) / per / 1e3)
+
+    for _ in range(repeats):
+        handles = []
+        t0 = time.perf_counter_ns()
+        for _ in range(8):
+            handles.append(_check(driver.cuMemCreate(size, backend._prop, 0), "cuMemCreate"))
+        samples["cuMemCreate"].append((time.perf_counter_ns() - t0) / 8 / 1e3)
+        for h in handles:
+            driver.cuMemRelease(h)
+        timed("cuMemMap", [lambda j=j: driver.cuMemMap(base + j * size, size, 0, pool.handles[j], 0)
+                           for j in range(n)], n)
+        timed("cuMemSetAccess (one page)", [lambda j=j: driver.cuMemSetAccess(base + j * size, size, backend._access, 1)
+                                            for j in range(n)], n)
+        timed(f"cuMemSetAccess ({n}-page run)", [lambda: driver.cuMemSetAccess(base, n * size, backend._access, 1)])
+        timed("cuMemUnmap", [lambda j=j: driver.cuMemUnmap(base + j * size, size) for j in range(n)], n)
+        t0 = time.perf_counter_ns()
+        backend.map(res, pool, offsets, range(n))
+        t1 = time.perf_counter_ns()
+        backend.unmap(res, pool, offsets)
+        backend.stream.synchronize()
+        res.settle()  # the unmaps themselves happen here, once the stream is done
+        t2 = time.perf_counter_ns()
+        samples["backend map (per page)"].append((t1 - t0) / n / 1e3)
+        samples["backend unmap (per page)"].append((t2 - t1) / n / 1e3)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def decode_step_mapping(page_size: int, layout: str, requests: int, steps: int, seed: int = 0,
+                        device: str = "cpu") -> dict:
     """Median and p99 µs of `grow_many` per decode step, 64 requests with
     ShareGPT-like prompt lengths each growing by one token per step."""
-    config = CacheConfig(**SMOLLM2, max_batch=requests, max_seq_len=2048, page_size=page_size, layout=layout)
+    config = CacheConfig(**SMOLLM2, max_batch=requests, max_seq_len=2048, page_size=page_size, layout=layout,
+                         device=device)
     cache = VirtualKVCache(config)
     rng = random.Random(seed)
     lengths = {}
@@ -88,7 +141,25 @@ def decode_step_mapping(page_size: int, layout: str, requests: int, steps: int, 
             "p99_us": times[int(0.99 * (len(times) - 1))], "steps_that_mapped": mapping_steps, "steps": steps}
 
 
-def run(json_path: str | None = None, repeats: int = 15, steps: int = 512) -> dict:
+def run_cuda(json_path: str | None = None, repeats: int = 15, steps: int = 512) -> dict:
+    from vattn.backends import get_backend
+
+    latency = cuda_latency(repeats=repeats)
+    page = get_backend("cuda").granularity
+    step = decode_step_mapping(page, "interleaved", 64, steps, device="cuda")
+    result = {"device": "cuda", "page_size": page, "us_per_call": latency, "decode_step": {"interleaved": step}}
+    print_table(f"CUDA VMM latency ({page >> 20} MiB pages, µs per call, median of {repeats} runs)",
+                ["call", "µs"], [[k, v] for k, v in latency.items()])
+    print_table(f"mapping time per decode step on CUDA: 64 requests × {steps} steps, SmolLM2 geometry (µs)",
+                ["layout", "median", "mean", "p99", "steps that mapped"],
+                [["interleaved", step["median_us"], step["mean_us"], step["p99_us"], step["steps_that_mapped"]]])
+    write_json(json_path, result)
+    return result
+
+
+def run(json_path: str | None = None, repeats: int = 15, steps: int = 512, device: str = "cpu") -> dict:
+    if device != "cpu":
+        return run_cuda(json_path, repeats, steps)
     latency = {}
     for name, size in PAGE_SIZES.items():
         latency[name] = per_page_latency(size, num_pages=512 if size <= 256 * KiB else 256, repeats=repeats)

@@ -32,9 +32,7 @@ class LLMEngine:
         switched to vattn's); `tokenizer` for text prompts, stop strings and
         output text; settings: `EngineConfig` fields."""
         self.config = config = config or EngineConfig(**settings)
-        cache_config = cache_config_for(
-            model, max_batch=config.max_num_seqs, max_seq_len=config.max_seq_len, page_size=config.page_size,
-            memory_budget=config.memory_budget, deferred_reclamation=config.deferred_reclamation, layout=config.layout)
+        cache_config = cache_config_for(model, **config.cache_settings(model.device))
         self.cache = (PagedKVCache(cache_config, config.block_size) if config.kv_cache == "paged"
                       else VirtualKVCache(cache_config))
         attention.register()
@@ -139,11 +137,12 @@ class LLMEngine:
             ids += seq.token_ids[start:start + n]
             if start + n == len(seq.token_ids):
                 rows.append(len(ids) - 1)
+        device = self.model.device
         with torch.inference_mode():
-            out = self.model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([batch.positions()]),
-                             use_cache=False, logits_to_keep=torch.tensor(rows or [len(ids) - 1]),
-                             vattn_batch=batch)
-        return out.logits[0]
+            out = self.model(input_ids=torch.tensor([ids], device=device),
+                             position_ids=torch.tensor([batch.positions()], device=device), use_cache=False,
+                             logits_to_keep=torch.tensor(rows or [len(ids) - 1], device=device), vattn_batch=batch)
+        return out.logits[0].cpu()  # sampling runs on the host, with each sequence's own generator
 
     def _page_work(self, work: Work) -> None:
         """Unmap what newly given slots hold past their size, and map the page

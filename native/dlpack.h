@@ -1,0 +1,5 @@
+#pragma once
+#include <Python.h>
+
+/* dlpack(owner, address, nbytes, device_type, device_id) -> "dltensor" capsule */
+PyObject *dlpack(PyObject *mod, PyObject *args);

