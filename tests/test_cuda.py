@@ -237,3 +237,45 @@ def test_no_kernel_reads_unmapped_memory_without_a_zero_page():
     out = subprocess.run([sys.executable, "-c", STRICT], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, f"exit {out.returncode}: {out.stderr[-3000:]}"
     assert out.stdout.strip().endswith("OK")
+
+
+def flash_reference(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
+                    softmax_scale=None, causal=False, window_size=(-1, -1)):
+    """`flash_attn_with_kvcache`'s documented contract in plain torch: append
+    `k`/`v` to cache row `cache_batch_idx[i]` at `cache_seqlens[i]`, then attend
+    over that row's first `cache_seqlens[i] + new` tokens (causal aligned
+    bottom-right, a left window of `window_size[0]`)."""
+    out = []
+    for i in range(q.shape[0]):
+        row, length = int(cache_batch_idx[i]), int(cache_seqlens[i])
+        if k is not None:
+            k_cache[row, length:length + k.shape[1]] = k[i]
+            v_cache[row, length:length + k.shape[1]] = v[i]
+            length += k.shape[1]
+        group = q.shape[2] // k_cache.shape[2]
+        keys, values = (t[row, :length].repeat_interleave(group, dim=1).transpose(0, 1) for t in (k_cache, v_cache))
+        qpos = torch.arange(length - q.shape[1], length)[:, None]
+        kpos = torch.arange(length)
+        mask = kpos <= qpos if causal else torch.ones(q.shape[1], length, dtype=torch.bool)
+        if window_size[0] >= 0:
+            mask &= kpos >= qpos - window_size[0]
+        out.append(torch.nn.functional.scaled_dot_product_attention(
+            q[i].transpose(0, 1), keys, values, attn_mask=mask, scale=softmax_scale).transpose(0, 1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_flash_path_keeps_to_the_kernel_contract(arch, monkeypatch):
+    """The engine's FlashAttention path (in-kernel append, `cache_seqlens`,
+    `cache_batch_idx`, the window) run on the host against the kernel's
+    documented contract: outputs equal HF generate()."""
+    from vattn import attention as attn
+
+    monkeypatch.setattr(attn, "flash_attn_with_kvcache", flash_reference)
+    monkeypatch.setattr(attn, "_flash_reads", lambda cache, q: hasattr(cache, "layer_kv"))
+    model = tiny_model(arch, "sdpa")
+    reference = [hf_greedy(model, p, 40) for p in prompts()]
+    engine = LLMEngine(model, page_size=4096, max_num_seqs=4, max_num_batched_tokens=32, max_seq_len=160,
+                       layout="interleaved")
+    assert engine_outputs(engine) == reference
+    engine.close()

@@ -145,9 +145,9 @@ def flash(b: StepBatch, layer: int, q, k, v, scaling, window) -> torch.Tensor:
             q[:d, None], K, V, k[:d, None], v[:d, None], cache_seqlens=b.tensor("seqlens", b.decode_positions),
             cache_batch_idx=b.tensor("slots", b.decode_slots), **args)[:, 0]
     for slot, start, n in b.chunks:
-        pos, idx = (torch.tensor([x], dtype=torch.int32, device=q.device) for x in (start, slot))
-        out[d:d + n] = flash_attn_with_kvcache(q[None, d:d + n], K, V, k[None, d:d + n], v[None, d:d + n],
-                                               cache_seqlens=pos, cache_batch_idx=idx, **args)[0]
+        out[d:d + n] = flash_attn_with_kvcache(
+            q[None, d:d + n], K, V, k[None, d:d + n], v[None, d:d + n], cache_seqlens=b.tensor(f"start{slot}", [start]),
+            cache_batch_idx=b.tensor(f"slot{slot}", [slot]), **args)[0]
         d += n
     return out
 

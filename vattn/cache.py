@@ -37,6 +37,7 @@ class VirtualKVCache(SlotCache):
                                           (self._buffer_bytes, c.slot_bytes, 1))
         self._k = [self._kernel_view(2 * layer) for layer in range(c.num_layers)]
         self._v = [self._kernel_view(2 * layer + 1) for layer in range(c.num_layers)]
+        self._last_scatter = None, None  # (slots, positions, T) of the last scattered write, its index
 
     def _kernel_view(self, component: int) -> torch.Tensor:
         """`[max_batch, max_seq_len, H, D]` over K (even) or V (odd) of a layer."""
@@ -78,10 +79,18 @@ class VirtualKVCache(SlotCache):
             K[first:first + B, pos:pos + T] = key
             V[first:first + B, pos:pos + T] = value
         else:
-            rows = torch.tensor(slots, device=K.device).unsqueeze(1).expand(B, T)
-            cols = torch.tensor(positions, device=K.device).unsqueeze(1) + torch.arange(T, device=K.device)
-            K.index_put_((rows, cols), key)
-            V.index_put_((rows, cols), value)
+            K.index_put_(self._scatter_index(slots, positions, T), key)
+            V.index_put_(self._scatter_index(slots, positions, T), value)
+
+    def _scatter_index(self, slots: list[int], positions: list[int], T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, columns) of the tokens a write puts at scattered slots: made
+        once for every layer of a step (on CUDA each is a copy to the device)."""
+        key = (tuple(slots), tuple(positions), T)
+        if self._last_scatter[0] != key:
+            rows = torch.tensor(slots, device=self.device).unsqueeze(1).expand(len(slots), T)
+            cols = torch.tensor(positions, device=self.device).unsqueeze(1) + torch.arange(T, device=self.device)
+            self._last_scatter = key, (rows, cols)
+        return self._last_scatter[1]
 
     def _read_bytes(self, slot: int, start: int, nbytes: int) -> torch.Tensor:
         return self._bytes[:, slot, start:start + nbytes]
