@@ -29,6 +29,13 @@ def test_without_cuda_asking_for_it_is_a_clear_error():
     assert VirtualKVCache(CacheConfig(2, 2, 8)).device.type == "cpu"  # the host is unaffected
 
 
+def test_access_is_set_once_per_run_of_adjacent_pages():
+    from vattn.backends.cuda import _runs
+
+    assert _runs([0, 4, 8, 16, 20, 32], 4) == [(0, 12), (16, 8), (32, 4)]
+    assert _runs([], 4) == []
+
+
 @cuda
 def test_unmap_waits_for_the_kernels_reading_the_page():
     backend = CudaBackend()

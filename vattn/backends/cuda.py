@@ -23,8 +23,6 @@ import torch
 
 from vattn.backends.base import Backend
 
-_CUDA_DLPACK = 2  # kDLCUDA
-
 
 class CudaUnavailable(RuntimeError):
     """The CUDA backend cannot run here (no cuda-python, driver, device or CUDA torch)."""

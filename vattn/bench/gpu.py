@@ -125,34 +125,54 @@ def run(json_path: str | None, num_prompts: int = 64, max_tokens: int = 64, repe
     start = time.perf_counter()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "page_size": get_backend("cuda").granularity}
-    result["tests"] = run_tests(root) if (root / "tests").is_dir() else {"error": "no tests/ beside the package"}
-    result["vmm"] = vmm.run_cuda(repeats=repeats, steps=256)
-    result["kernels"] = kernels.run(None, None, repeats=repeats, device="cuda", **KERNEL_POINTS)
-    result["engine"] = engine_run(num_prompts, max_tokens)
-    result["seconds"] = time.perf_counter() - start
-    write_json(json_path, result)
+    parts = {"tests": lambda: run_tests(root),
+             "vmm": lambda: vmm.run_cuda(repeats=repeats, steps=256),
+             "kernels": lambda: kernels.run(None, None, repeats=repeats, device="cuda", **KERNEL_POINTS),
+             "engine": lambda: engine_run(num_prompts, max_tokens)}
+    for name, part in parts.items():  # a part that fails is reported, and the others still run
+        try:
+            result[name] = part()
+        except Exception as e:
+            console.print_exception()
+            result[name] = {"error": f"{type(e).__name__}: {e}"}
+        result["seconds"] = time.perf_counter() - start
+        write_json(json_path, result)  # what is known so far
     print_table("GPU check", ["", ""], summary_rows(result))
     return result
 
 
 def summary_rows(result: dict) -> list[list]:
-    t, v, e = result["tests"], result["vmm"], result["engine"]
+    rows = [["GPU", f"{result['device']}, torch {result['torch']}, pages of {result['page_size'] >> 20} MiB"]]
+    for name, part_rows in (("tests", _test_rows), ("vmm", _vmm_rows), ("kernels", _kernel_rows),
+                            ("engine", _engine_rows)):
+        part = result[name]
+        rows += [[name, f"FAILED: {part['error']}"]] if "error" in part else part_rows(part)
+    return rows + [["wall time", f"{result['seconds']:.0f} s"]]
+
+
+def _test_rows(t: dict) -> list[list]:
+    failures = f" ({', '.join(t['failures'])})" if t["failures"] else ""
+    return [["CUDA tests", f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped{failures}"]]
+
+
+def _vmm_rows(v: dict) -> list[list]:
+    step = v["decode_step"]["interleaved"]
+    return [[f"{name} µs", f"{us:.1f}"] for name, us in v["us_per_call"].items()] + [
+        ["mapping per decode step µs (median / p99)", f"{step['median_us']:.1f} / {step['p99_us']:.1f}"]]
+
+
+def _kernel_rows(k: dict) -> list[list]:
+    return [[f"attention {point} ms", f"{times}; vattn/contiguous, vattn/paged {ratios}"]
+            for point, times, ratios in kernel_ratios(k)]
+
+
+def _engine_rows(e: dict) -> list[list]:
     virtual, paged = e["runs"]["virtual"], e["runs"]["paged"]
     tok_s = virtual["output_tok_per_s"], paged["output_tok_per_s"]
-    rows = [["GPU", f"{result['device']}, torch {result['torch']}, pages of {result['page_size'] >> 20} MiB"],
-            ["CUDA tests", t.get("error") or f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped"
-                                             + (f" ({', '.join(t['failures'])})" if t["failures"] else "")]]
-    rows += [[f"{name} µs", f"{us:.1f}"] for name, us in v["us_per_call"].items()]
-    step = v["decode_step"]["interleaved"]
-    rows.append(["mapping per decode step µs (median / p99)", f"{step['median_us']:.1f} / {step['p99_us']:.1f}"])
-    rows += [[f"attention {point} ms", times + f"; vattn/contiguous, vattn/paged {ratios}"]
-             for point, times, ratios in kernel_ratios(result["kernels"])]
-    rows += [["engine", f"{e['model']}; {e['num_prompts']} prompts ({e['prompts']})"],
-             ["engine output tok/s: virtual / paged", f"{tok_s[0]:.1f} / {tok_s[1]:.1f} ({tok_s[0] / tok_s[1]:.2f}×)"],
-             ["engine TPOT ms median: virtual / paged", f"{virtual['tpot_ms']['median']:.2f} / "
-                                                        f"{paged['tpot_ms']['median']:.2f}"],
-             ["engine mapping ms per step (critical path) / median step ms",
-              f"{virtual['map_ms_per_step']:.3f} / {virtual['step_ms_median']:.2f}"],
-             ["requests with the same tokens on both caches", f"{e['same_tokens']} of {e['num_prompts']}"],
-             ["wall time", f"{result['seconds']:.0f} s"]]
-    return rows
+    return [["engine", f"{e['model']}; {e['num_prompts']} prompts ({e['prompts']})"],
+            ["engine output tok/s: virtual / paged", f"{tok_s[0]:.1f} / {tok_s[1]:.1f} ({tok_s[0] / tok_s[1]:.2f}×)"],
+            ["engine TPOT ms median: virtual / paged",
+             f"{virtual['tpot_ms']['median']:.2f} / {paged['tpot_ms']['median']:.2f}"],
+            ["engine mapping ms per step (critical path) / median step ms",
+             f"{virtual['map_ms_per_step']:.3f} / {virtual['step_ms_median']:.2f}"],
+            ["requests with the same tokens on both caches", f"{e['same_tokens']} of {e['num_prompts']}"]]
