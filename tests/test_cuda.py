@@ -17,9 +17,8 @@ NO_CUDA = unavailable()
 cuda = pytest.mark.skipif(NO_CUDA is not None, reason=f"needs a CUDA GPU: {NO_CUDA}")
 
 
+@pytest.mark.skipif(NO_CUDA is None, reason="checks the refusal where CUDA is absent; this machine has a GPU")
 def test_without_cuda_asking_for_it_is_a_clear_error():
-    if NO_CUDA is None:
-        pytest.skip("a CUDA GPU is present")
     for ask in (lambda: get_backend("cuda"), lambda: CudaBackend("cuda:0"),
                 lambda: CacheConfig(2, 2, 8, device="cuda"),
                 lambda: VirtualKVCache(CacheConfig(2, 2, 8, device="cuda", page_size=2 << 20, layout="interleaved",

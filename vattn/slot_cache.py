@@ -263,13 +263,7 @@ class SlotCache(ABC):
             new = taken[dst] + ([fresh[dst]] if dst in fresh else [])
             entries += [(dst, j) for j in range(k, k + len(new))]
             groups += new
-        try:
-            self._map(entries, groups)
-        except BaseException:
-            self.pool.release(groups)
-            raise
-        for (dst, _), group in zip(entries, groups):
-            self._slots[dst].pages.append(group)
+        self._attach(entries, groups)
         for dst, src in sources.items():
             self._write_bytes(dst, start, tails[src])
             b = self._slots[dst]
@@ -496,8 +490,12 @@ class SlotCache(ABC):
         assert groups is not None, "room was checked"
         if not groups:
             return
-        entries = [(i, j) for i, n in growth.items()
-                   for j in range(len(self._slots[i].pages), len(self._slots[i].pages) + n)]
+        self._attach([(i, j) for i, n in growth.items()
+                      for j in range(len(self._slots[i].pages), len(self._slots[i].pages) + n)], groups)
+
+    def _attach(self, entries: list[tuple[int, int]], groups: list[int]) -> None:
+        """Map allocated `groups` at (slot, page index) `entries`, each after its
+        slot's last page; if mapping fails, the groups go back to the pool."""
         try:
             self._map(entries, groups)
         except BaseException:
