@@ -116,6 +116,8 @@ def test_queries_never_raise(cache):
     ("layout", "paged", "layout must be one of"),
     ("dtype", "float16", "dtype must be a torch.dtype"),
     ("memory_budget", 1000, "smaller than one page group"),
+    ("gpu_memory_utilization", 1.5, "gpu_memory_utilization must be in"),
+    ("device", "gpu", "device must name a torch device"),
 ])
 def test_bad_config(field, value, message):
     with pytest.raises(ValueError, match=message):

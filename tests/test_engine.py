@@ -291,6 +291,7 @@ def test_bad_input_is_refused_and_the_engine_keeps_serving(call, message):
     (dict(preemption_mode="drop"), "preemption_mode"), (dict(max_num_seqs=0), "max_num_seqs"),
     (dict(watermark=1.5), "watermark"), (dict(layout="paged"), "layout"), (dict(page_size=5000), "page_size"),
     (dict(kv_cache="vector"), "kv_cache must be one of"), (dict(block_size=0), "block_size"),
+    (dict(gpu_memory_utilization=0), "gpu_memory_utilization must be in"),
 ])
 def test_bad_engine_settings(settings, message):
     model = tiny_model("llama", "sdpa")
