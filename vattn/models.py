@@ -38,6 +38,16 @@ def load_smollm2(attn_implementation: str = "sdpa", dtype: torch.dtype = torch.b
     """(model, tokenizer) for SmolLM2-135M-Instruct on the CPU, in eval mode.  bfloat16
     by default: decoding on a CPU is bound by reading the weights, and halves that."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    saved = smollm2_dir()
+    tokenizer = AutoTokenizer.from_pretrained(saved)
+    model = AutoModelForCausalLM.from_pretrained(saved, attn_implementation=attn_implementation, dtype=dtype)
+    return model.eval(), tokenizer
+
+
+def smollm2_dir() -> Path:
+    """The converted model's directory (a transformers checkpoint), made on first use."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
     logging.disable_progress_bar()
@@ -56,6 +66,4 @@ def load_smollm2(attn_implementation: str = "sdpa", dtype: torch.dtype = torch.b
             tmp.rename(saved)
         except OSError:  # another process saved it first
             shutil.rmtree(tmp)
-    tokenizer = AutoTokenizer.from_pretrained(saved)
-    model = AutoModelForCausalLM.from_pretrained(saved, attn_implementation=attn_implementation, dtype=dtype)
-    return model.eval(), tokenizer
+    return saved

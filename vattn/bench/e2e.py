@@ -1,66 +1,320 @@
-"""`vattn bench e2e`: the same ShareGPT requests (SmolLM2, float32, greedy,
-all arriving at once) through the vattn engine, the same engine on the paged
-baseline, transformers' own continuous batching, and HF `generate` with static
-batches; the figures `vllm bench` prints, side by side.  Every system must
-give the vattn engine's tokens: the table says how many requests match."""
-import gc
+"""`vattn bench e2e`: the same requests through vattn's engine and the peers
+a user would pick instead, measured as `vllm bench` measures them.
 
-from vattn.bench.engine import serve, workload
-from vattn.bench.report import print_table, write_json
+Systems: `vattn` (the engine, defaults), `paged_16` (the same engine on the
+paged baseline), `vllm_cpu` (vLLM's own CPU engine, from the peer environment:
+`peers.py`), `hf_continuous_batching` and `hf_static` (transformers' own
+serving paths).  Each runs in a process of its own (`serve_worker.py`,
+`vllm_serve.py`) that stays up for the whole run, so its one-time costs
+(loading, vLLM's compile, a warm-up round) are not timed and its peak
+resident memory is its own.
+
+Fair by construction: SmolLM2-135M in float32, both cores, the same token
+ids, greedy, EOS ignored (every answer is exactly its cap long), the same
+arrival times, and the same KV memory in bytes (`settings`).  Workloads:
+`sharegpt` (first turns through the chat template, answers of the reference
+reply's length up to 128 tokens) and `long` (conversations taken whole, 1,000
+to 1,792 prompt tokens, answers of 256).  Arrivals: all at once (`inf`) or a
+gamma process of `rate` requests/s with `burstiness` (1: Poisson), seed 0, as
+`vllm bench serve` draws them.  Each figure is the median of `rounds` rounds,
+the systems taking turns within a round; `hf_static` first runs once with each
+batch size of `STATIC_BATCHES` that fits the budget and keeps the best.
+"""
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from vattn.bench import peers
+from vattn.bench.report import commit, console, print_table, write_json
+from vattn.engine.metrics import latency_report
+from vattn.engine.request import CompletionOutput, RequestMetrics, RequestOutput
+
+SYSTEMS = ("vattn", "paged_16", "vllm_cpu", "hf_continuous_batching", "hf_static")
+WORKLOADS = {"sharegpt": dict(num_prompts=48, max_tokens=128), "long": dict(num_prompts=32, max_tokens=256)}
+QUICK = dict(num_prompts=12, max_tokens=32)  # `--quick`: a smaller run of either workload
+STATIC_BATCHES = (8, 16, 32)
+HF_BLOCK = 256  # transformers' continuous batching: tokens a block, and tokens a step
 
 
-def run(json_path: str | None, plot_dir: str | None, num_prompts: int = 64, max_tokens: int = 64,
-        block_sizes: list[int] = (16,)) -> dict:
-    from vattn.bench import hf_serving
+def requests(tokenizer, workload: str, num_prompts: int, max_tokens: int) -> list[dict]:
+    """The workload's requests: prompt token ids and answer caps."""
+    from vattn import sharegpt
+
+    if workload == "long":
+        return [{"prompt": p, "max_tokens": max_tokens} for p in sharegpt.long_prompts(tokenizer, num_prompts)]
+    return [{"prompt": sharegpt.chat_prompt(tokenizer, r.prompt), "max_tokens": min(r.output_len, max_tokens)}
+            for r in sharegpt.sample(tokenizer, num_prompts)]
+
+
+def arrivals(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Arrival offsets (s): all 0 at rate inf, else gaps drawn from a gamma
+    distribution of shape `burstiness` and mean 1 / rate, the first at 0."""
+    if rate == float("inf"):
+        return [0.0] * n
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.gammavariate(burstiness, 1 / (rate * burstiness))
+    return out
+
+
+def settings(system: str, budget: int, cache, max_seq_len: int) -> list[dict]:
+    """The options each of `system`'s workers runs with (`hf_static`: one per
+    batch size of the sweep), every one holding at most `budget` bytes of KV:
+    the engine's memory budget; vLLM's `kv_cache_memory_bytes`; the blocks of
+    transformers' paged cache; static batches whose DynamicCache fits at
+    `max_seq_len` tokens a row.  `cache`: the engine's `CacheConfig`."""
+    token = cache.kv_bytes_per_token
+    if system == "vattn":
+        return [{"memory_budget": budget}]
+    if system.startswith("paged_"):
+        return [{"memory_budget": budget, "kv_cache": "paged", "block_size": int(system.removeprefix("paged_"))}]
+    if system == "vllm_cpu":
+        from vattn.models import smollm2_dir
+
+        return [{"model": str(smollm2_dir()), "dtype": "float32", "max_model_len": max_seq_len,
+                 "kv_budget_bytes": budget}]
+    if system == "hf_continuous_batching":
+        return [{"num_blocks": budget // (HF_BLOCK * token), "block_size": HF_BLOCK, "max_batch_tokens": HF_BLOCK}]
+    if system == "hf_static":
+        fits = [b for b in STATIC_BATCHES if b * max_seq_len * token <= budget]
+        if not fits:
+            raise ValueError(f"a KV budget of {budget} bytes holds no static batch of {STATIC_BATCHES[0]} rows")
+        return [{"batch_size": b} for b in fits]
+    raise ValueError(f"unknown system {system!r}; systems: {SYSTEMS}")
+
+
+class Worker:
+    """One system's serving process (the protocol of `serve_worker.py`)."""
+
+    def __init__(self, system: str, options: dict, log: Path):
+        self.system, self.options = system, options
+        self._dir = tempfile.TemporaryDirectory(prefix="vattn-e2e-")
+        path = Path(self._dir.name) / "settings.json"
+        path.write_text(json.dumps(options if system == "vllm_cpu" else {"options": options}))
+        self._log = open(log, "a")
+        pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
+        if system == "vllm_cpu":
+            self._proc = peers.popen("vllm_serve", str(path), **pipes)
+        else:
+            self._proc = subprocess.Popen([sys.executable, "-m", "vattn.bench.serve_worker", system, str(path)],
+                                          **pipes)
+        self.ran = self._answer("ready")
+
+    def serve(self, reqs: list[dict], due: list[float]) -> dict:
+        out = Path(self._dir.name) / "round.json"
+        line = {"requests": [r | {"arrival": t} for r, t in zip(reqs, due)], "ignore_eos": True, "out": str(out)}
+        self._proc.stdin.write(json.dumps(line) + "\n")
+        self._proc.stdin.flush()
+        self._answer("done")
+        return json.loads(out.read_text())
+
+    def _answer(self, key: str):
+        line = self._proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.system} stopped (exit code {self._proc.wait()}); its log: {self._log.name}")
+        return json.loads(line)[key]
+
+    def peak_rss_bytes(self) -> int:
+        """The RSS high-water marks of the worker and every process it started, summed."""
+        return sum(_status_kb(pid, "VmHWM") for pid in _tree(self._proc.pid)) << 10
+
+    def close(self) -> None:
+        self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+        self._log.close()
+        self._dir.cleanup()
+
+
+def _tree(pid: int) -> list[int]:
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        out.append(p := todo.pop())
+        todo += children.get(p, [])
+    return out
+
+
+def _status_kb(pid: int, field: str) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def figures(result: dict, reqs: list[dict]) -> dict:
+    """`latency_report` of one round's records, the clock starting at the first arrival."""
+    outputs = [RequestOutput(str(i), None, r["prompt"], [CompletionOutput(0, "", rec["token_ids"], "length")], True,
+                             RequestMetrics(rec["arrival"], rec["token_times"][0], rec["finish"], rec["token_times"],
+                                            len(r["prompt"]), 0))
+               for i, (r, rec) in enumerate(zip(reqs, result["requests"]))]
+    seconds = max(rec["finish"] for rec in result["requests"])
+    return latency_report(outputs, seconds) | {"kv_bytes_committed": result["kv_bytes_committed"]}
+
+
+def median_figures(rounds: list[dict]) -> dict:
+    """Each figure's median over the rounds ({mean, median, p99} figures each on its own)."""
+    out = {}
+    for key, value in rounds[0].items():
+        if isinstance(value, dict):
+            out[key] = {k: statistics.median(r[key][k] for r in rounds) for k in value}
+        else:
+            out[key] = statistics.median(r[key] for r in rounds)
+    return out
+
+
+def run(json_path: str | None, plot_dir: str | None, workload: str = "sharegpt", num_prompts: int | None = None,
+        max_tokens: int | None = None, rates: list[float] = (float("inf"),), burstiness: float = 1.0,
+        rounds: int = 3, systems: list[str] = SYSTEMS, kv_budget: int | None = None,
+        log_dir: str | None = None) -> dict:
+    from vattn.engine import EngineConfig
+    from vattn.hf import cache_config_for
     from vattn.models import ENGINE_DTYPE, load_smollm2
 
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    sizes = WORKLOADS[workload] | {k: v for k, v in dict(num_prompts=num_prompts, max_tokens=max_tokens).items() if v}
     model, tokenizer = load_smollm2(dtype=ENGINE_DTYPE)
-    _, prompts, params = workload(tokenizer, num_prompts, max_tokens)
-    runs = {"vattn": _engine(model, tokenizer, prompts, params)}
-    for b in block_sizes:
-        runs[f"paged_{b}"] = _engine(model, tokenizer, prompts, params, kv_cache="paged", block_size=b)
-    runs["hf_continuous_batching"] = hf_serving.serve_continuous_batching(model, prompts, params)
-    runs["hf_static"] = hf_serving.serve_static(model, prompts, params)
-    reference = [o.outputs[0].token_ids for o in runs["vattn"][0]]
-    rows = []
-    for name, (outputs, f) in runs.items():
-        same = sum(o.outputs[0].token_ids == r for o, r in zip(outputs, reference))
-        rows.append({"system": name, "output_tok_per_s": f["output_tok_per_s"], "req_per_s": f["req_per_s"],
-                     "ttft_ms": f["ttft_ms"], "tpot_ms": f["tpot_ms"], "itl_ms": f["itl_ms"], "e2el_ms": f["e2el_ms"],
-                     "seconds": f["seconds"], "output_tokens": f["output_tokens"], "same_tokens_as_vattn": same})
-    result = {"rows": rows, "requests": num_prompts, "max_tokens": max_tokens, "targets": targets(rows)}
-    print_table(f"end to end: {num_prompts} ShareGPT prompts, SmolLM2-135M float32, answers ≤ {max_tokens} tokens",
-                ["system", "output tok/s", "req/s", "TTFT ms (median)", "TPOT ms (median)", "E2EL ms (median)",
-                 "same tokens as vattn"],
-                [[r["system"], f"{r['output_tok_per_s']:.1f}", f"{r['req_per_s']:.2f}", f"{r['ttft_ms']['median']:,.0f}",
-                  f"{r['tpot_ms']['median']:,.0f}", f"{r['e2el_ms']['median']:,.0f}",
-                  f"{r['same_tokens_as_vattn']}/{num_prompts}"]
-                 for r in rows])
+    engine = EngineConfig()
+    cache = cache_config_for(model, **engine.cache_settings(torch.device("cpu")))
+    budget = kv_budget or cache.num_page_groups * cache.page_group_bytes  # the engine's own default
+    reqs = requests(tokenizer, workload, **sizes)
+    del model
+    systems = list(systems)
+    if "vllm_cpu" in systems and peers.vllm_python() is None:
+        console.print(f"[bold]vllm_cpu left out:[/bold] {peers.HOW}")
+        systems.remove("vllm_cpu")
+    log = Path(log_dir or tempfile.mkdtemp(prefix="vattn-e2e-logs-"))
+    log.mkdir(parents=True, exist_ok=True)
+    console.print(f"e2e: {len(reqs)} {workload} requests, {sum(len(r['prompt']) for r in reqs):,} prompt tokens, "
+                  f"{sum(r['max_tokens'] for r in reqs):,} output tokens, KV budget {budget / 2**30:.2f} GiB; "
+                  f"worker logs in {log}")
+    workers = {}
+    try:
+        for system in systems:
+            for options in settings(system, budget, cache, engine.max_seq_len):
+                name = system if system != "hf_static" else f"hf_static_b{options['batch_size']}"
+                console.print(f"starting {name}")
+                workers[name] = Worker(system, options, log / f"{name}.log")
+                workers[name].serve(reqs[:4], [0.0] * min(4, len(reqs)))  # warm-up, not timed
+        results = [_run_rate(workers, reqs, rate, burstiness, rounds) for rate in rates]
+        memory = {name: w.peak_rss_bytes() for name, w in workers.items()}
+    finally:
+        for w in workers.values():
+            w.close()
+    rows = [_row(name, r, rate_result, memory[r["worker"]], budget, workers[r["worker"]].ran)
+            for rate_result in results for name, r in rate_result["systems"].items()]
+    result = {"commit": commit(), "workload": workload, **sizes, "requests": len(reqs),
+              "prompt_tokens": sum(len(r["prompt"]) for r in reqs), "burstiness": burstiness,
+              "request_rate": [_rate(r) for r in rates], "rounds_per_figure": rounds, "kv_budget_bytes": budget,
+              "versions": _versions(workers), "threads": {"torch": torch.get_num_threads(), "cores": os.cpu_count()},
+              "rows": rows, "static_sweep": [s for r in results for s in r["sweep"]],
+              "ratios": {_rate(r["rate"]): ratios(r["systems"]) for r in results}}
+    _print(result)
     write_json(json_path, result)
     if plot_dir:
-        from pathlib import Path
-
-        from vattn.bench.plots import line_chart
-
-        line_chart(Path(plot_dir) / "e2e_throughput_latency.png", "throughput vs latency (each system one point)",
-                   "median E2EL (ms)", "output tok/s",
-                   {r["system"]: ([r["e2el_ms"]["median"]], [r["output_tok_per_s"]]) for r in rows}, markers=True)
+        _plot(Path(plot_dir), rows, workload)
     return result
 
 
-def _engine(model, tokenizer, prompts, params, **settings) -> tuple[list, dict]:
-    """The requests through a fresh engine with `settings`."""
-    from vattn import LLM
+def _run_rate(workers: dict, reqs: list[dict], rate: float, burstiness: float, rounds: int) -> dict:
+    due = arrivals(len(reqs), rate, burstiness)
+    static = [name for name in workers if name.startswith("hf_static_b")]
+    sweep = {name: figures(workers[name].serve(reqs, due), reqs) for name in static}
+    best = max(sweep, key=lambda name: sweep[name]["output_tok_per_s"]) if static else None
+    turn = [name for name in workers if name not in static] + ([best] if best else [])
+    runs = {name: [] for name in turn}
+    for k in range(rounds):
+        for name in turn[k % len(turn):] + turn[:k % len(turn)]:
+            console.print(f"rate {_rate(rate)}, round {k + 1}/{rounds}: {name}")
+            result = workers[name].serve(reqs, due)
+            runs[name].append((figures(result, reqs), [rec["token_ids"] for rec in result["requests"]]))
+    reference = runs.get("vattn")
+    systems = {}
+    for name, measured in runs.items():
+        same = len(reqs) if reference is None else sum(
+            all(tokens[i] == ref[i] for (_, tokens), (_, ref) in zip(measured, reference)) for i in range(len(reqs)))
+        systems["hf_static" if name == best else name] = {
+            "worker": name, "figures": median_figures([f for f, _ in measured]), "rounds": [f for f, _ in measured],
+            "same_tokens_as_vattn": same}
+    return {"rate": rate, "systems": systems,
+            "sweep": [{"request_rate": _rate(rate), "batch_size": workers[n].options["batch_size"],
+                       "output_tok_per_s": f["output_tok_per_s"], "chosen": n == best} for n, f in sweep.items()]}
 
-    llm = LLM(model, tokenizer, **settings)
-    try:
-        return serve(llm, prompts, params)
-    finally:
-        llm.engine.close()
-        gc.collect()
+
+def _row(system: str, r: dict, rate_result: dict, rss: int, budget: int, ran: dict) -> dict:
+    f = r["figures"]
+    return {"system": system, "request_rate": _rate(rate_result["rate"]),
+            **{k: f[k] for k in ("output_tok_per_s", "req_per_s", "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "seconds",
+                                 "output_tokens", "kv_bytes_committed")},
+            "peak_rss_bytes": rss, "kv_budget_bytes": budget, "same_tokens_as_vattn": r["same_tokens_as_vattn"],
+            "threads": ran.get("torch_threads") or ran.get("omp_threads_bind"), "settings": ran, "rounds": r["rounds"]}
 
 
-def targets(rows: list[dict]) -> dict:
+def ratios(systems: dict) -> dict:
     """vattn's output tok/s over each other system's."""
-    by = {r["system"]: r["output_tok_per_s"] for r in rows}
-    return {f"vattn_vs_{name}": by["vattn"] / tps for name, tps in by.items() if name != "vattn" and tps}
+    by = {name: r["figures"]["output_tok_per_s"] for name, r in systems.items()}
+    return {f"vattn_vs_{name}": by["vattn"] / tps for name, tps in by.items() if name != "vattn" and tps} \
+        if "vattn" in by else {}
+
+
+def _print(result: dict) -> None:
+    if result["static_sweep"]:
+        print_table("hf_static: batch size sweep (output tok/s, one run each)", ["request rate", "batch", "tok/s", ""],
+                    [[s["request_rate"], s["batch_size"], s["output_tok_per_s"], "chosen" if s["chosen"] else ""]
+                     for s in result["static_sweep"]])
+    lat = lambda s: f"{s['mean']:,.0f} / {s['median']:,.0f} / {s['p99']:,.0f}"  # noqa: E731
+    print_table(f"end to end: {result['requests']} {result['workload']} requests, SmolLM2-135M float32, answers ≤ "
+                f"{result['max_tokens']} tokens, EOS ignored; medians of {result['rounds_per_figure']} rounds",
+                ["system", "rate", "output tok/s", "req/s", "TTFT ms mean / med / p99", "TPOT ms", "ITL ms",
+                 "E2EL ms", "peak RSS GiB", "KV GiB", "same tokens"],
+                [[r["system"], r["request_rate"], f"{r['output_tok_per_s']:.1f}", f"{r['req_per_s']:.2f}",
+                  lat(r["ttft_ms"]), lat(r["tpot_ms"]), lat(r["itl_ms"]), lat(r["e2el_ms"]),
+                  f"{r['peak_rss_bytes'] / 2**30:.2f}", f"{r['kv_bytes_committed'] / 2**30:.2f}",
+                  f"{r['same_tokens_as_vattn']}/{result['requests']}"] for r in result["rows"]])
+    for rate, r in result["ratios"].items():
+        console.print(f"rate {rate}: " + ", ".join(f"{k} {v:.2f}×" for k, v in r.items()))
+
+
+def _plot(plot_dir: Path, rows: list[dict], workload: str) -> None:
+    from vattn.bench.plots import line_chart
+
+    series = {}
+    for r in rows:
+        x, y = series.setdefault(r["system"], ([], []))
+        x.append(r["e2el_ms"]["median"])
+        y.append(r["output_tok_per_s"])
+    line_chart(plot_dir / f"e2e_{workload}_throughput_latency.png",
+               f"{workload}: throughput vs latency, one point per request rate", "median E2EL (ms)", "output tok/s",
+               series)
+
+
+def _rate(rate: float) -> float | str:
+    return "inf" if rate == float("inf") else rate
+
+
+def _versions(workers: dict) -> dict:
+    import transformers
+
+    vllm = next((w.ran["vllm"] for w in workers.values() if w.system == "vllm_cpu"), None)
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "vllm": vllm}

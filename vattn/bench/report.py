@@ -1,11 +1,13 @@
 """Tables on the terminal and JSON on disk, shared by every benchmark."""
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 200)  # tables unwrapped in logs and files
 
 
 def print_table(title: str, columns: list[str], rows: list[list]) -> None:
@@ -22,6 +24,15 @@ def write_json(path: str | None, data: dict) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
         console.print(f"wrote {path}")
+
+
+def commit() -> str | None:
+    """The checkout's commit, for the results JSON (None outside a git checkout)."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def _cell(value) -> str:

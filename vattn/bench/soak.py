@@ -47,22 +47,23 @@ def requests(num: int, seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
     return out
 
 
-def serve(model, reqs, abort_rate: float = 0.0, seed: int = 0, **settings) -> tuple[dict, LLMEngine]:
+def serve(model, reqs, abort_rate: float = 0.0, seed: int = 0, **settings) -> tuple[dict, set, LLMEngine]:
     """Outputs (token ids of each sample, by request id) of `reqs` on a fresh
-    engine.  With `abort_rate`, requests arrive 0-3 per step and a random
-    unfinished one is aborted with that chance each step (absent from the outputs)."""
+    engine, and the ids the soak aborted.  With `abort_rate`, requests arrive
+    0-3 per step and a random unfinished one is aborted with that chance each step."""
     engine = LLMEngine(model, page_size=PAGE, max_num_seqs=8, max_num_batched_tokens=64, max_seq_len=128, **settings)
-    rng, queue, outputs = random.Random(seed), list(enumerate(reqs)), {}
+    rng, queue, outputs, aborted = random.Random(seed), list(enumerate(reqs)), {}, set()
     while queue or engine.has_unfinished_requests():
         arrivals = rng.randrange(4) if abort_rate else len(queue)
         for i, (prompt, params) in queue[:arrivals]:
             engine.add_request(prompt, params, request_id=str(i))
         del queue[:arrivals]
         if engine.requests and rng.random() < abort_rate:
-            engine.abort(rng.choice(sorted(engine.requests)))
+            aborted.add(victim := rng.choice(sorted(engine.requests)))
+            engine.abort(victim)
         outputs |= {o.request_id: [c.token_ids for c in o.outputs] for o in engine.step() if o.finished}
     engine.close()
-    return outputs, engine
+    return outputs, aborted, engine
 
 
 def pool_is_whole(engine) -> bool:
@@ -75,27 +76,40 @@ def pool_is_whole(engine) -> bool:
 def soak(num_requests: int, modes=("recompute", "swap"), budget_pages: int = 16) -> list[dict]:
     model = tiny_model()
     reqs = requests(num_requests)
-    reference, _ = serve(model, reqs)
+    reference, _, _ = serve(model, reqs)
     budget = budget_pages * cache_config_for(model, page_size=PAGE, layout="per_head").page_group_bytes
     rows = []
     for mode in modes:
         start = time.perf_counter()
-        outputs, engine = serve(model, reqs, abort_rate=0.02, preemption_mode=mode, memory_budget=budget)
+        outputs, aborted, engine = serve(model, reqs, abort_rate=0.02, preemption_mode=mode, memory_budget=budget)
         rows.append({"mode": mode, "requests": num_requests, "seconds": time.perf_counter() - start,
                      "preemptions": engine.stats.preemptions, "prefix_hit_rate": engine.stats.prefix_hit_rate,
-                     "aborted": num_requests - len(outputs),
-                     "mismatches": sum(reference[k] != v for k, v in outputs.items()),
+                     "finished": len(outputs), "aborted": len(aborted),
+                     "missing": len({str(i) for i in range(num_requests)} - set(outputs) - aborted),
+                     "finished_after_abort": len(aborted & set(outputs)),
+                     "mismatches": sum(reference.get(k) != v for k, v in outputs.items()),
                      "pool_whole": pool_is_whole(engine)})
     return rows
+
+
+def failures(row: dict) -> list[str]:
+    """What went wrong in a soak row (nothing, when it passed)."""
+    return [what for what, bad in (
+        (f"{row['missing']} requests neither finished nor were aborted", row["missing"]),
+        (f"{row['finished_after_abort']} aborted requests came back finished", row["finished_after_abort"]),
+        (f"{row['mismatches']} outputs differ from their references", row["mismatches"]),
+        ("pages leaked", not row["pool_whole"])) if bad]
 
 
 def run(json_path: str | None, num_requests: int) -> list[dict]:
     rows = soak(num_requests)
     print_table(f"soak: {num_requests} requests per preemption mode, tiny Llama, 16-page budget",
-                ["mode", "seconds", "preemptions", "prefix hit rate", "aborted", "outputs differing", "pool whole"],
-                [[r["mode"], r["seconds"], r["preemptions"], f"{r['prefix_hit_rate']:.1%}", r["aborted"],
-                  r["mismatches"], r["pool_whole"]] for r in rows])
+                ["mode", "seconds", "preemptions", "prefix hit rate", "finished", "aborted", "missing",
+                 "outputs differing", "pool whole"],
+                [[r["mode"], r["seconds"], r["preemptions"], f"{r['prefix_hit_rate']:.1%}", r["finished"], r["aborted"],
+                  r["missing"], r["mismatches"], r["pool_whole"]] for r in rows])
     write_json(json_path, {"rows": rows})
-    if any(r["mismatches"] or not r["pool_whole"] for r in rows):
-        raise SystemExit("soak failed: an output differs from its reference, or pages leaked")
+    failed = [f"{r['mode']}: {what}" for r in rows for what in failures(r)]
+    if failed:
+        raise SystemExit("soak failed: " + "; ".join(failed))
     return rows

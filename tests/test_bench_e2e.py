@@ -1,0 +1,53 @@
+"""The end-to-end benchmark's rules: every system's KV memory within one budget, and arrivals as
+`vllm bench serve` draws them (the systems themselves run in tests/test_cli.py)."""
+import statistics
+
+import pytest
+import torch
+
+from vattn.bench import e2e
+from vattn.config import CacheConfig
+
+# SmolLM2-135M's geometry in float32, the engine's host layout: 46,080 bytes a token
+CACHE = CacheConfig(30, 3, 64, torch.float32, max_batch=32, max_seq_len=2048, page_size=8 << 10, layout="per_head")
+BUDGET = 1 << 30
+
+
+def test_every_system_gets_the_same_kv_budget():
+    token = CACHE.kv_bytes_per_token
+    assert e2e.settings("vattn", BUDGET, CACHE, 2048) == [{"memory_budget": BUDGET}]
+    assert e2e.settings("paged_32", BUDGET, CACHE, 2048) == [
+        {"memory_budget": BUDGET, "kv_cache": "paged", "block_size": 32}]
+    (vllm,) = e2e.settings("vllm_cpu", BUDGET, CACHE, 2048)
+    assert vllm["kv_budget_bytes"] == BUDGET and vllm["dtype"] == "float32" and vllm["max_model_len"] == 2048
+    (cb,) = e2e.settings("hf_continuous_batching", BUDGET, CACHE, 2048)
+    block = cb["block_size"] * token
+    assert cb["num_blocks"] * block <= BUDGET < (cb["num_blocks"] + 1) * block
+    static = e2e.settings("hf_static", BUDGET, CACHE, 2048)  # 1 GiB holds 11 rows at 2,048 tokens
+    assert static == [{"batch_size": 8}]
+    assert [s["batch_size"] for s in e2e.settings("hf_static", 32 * 2048 * token, CACHE, 2048)] == [8, 16, 32]
+
+
+def test_a_budget_too_small_and_an_unknown_system_are_refused():
+    with pytest.raises(ValueError, match="holds no static batch of 8 rows"):
+        e2e.settings("hf_static", 7 * 2048 * CACHE.kv_bytes_per_token, CACHE, 2048)
+    with pytest.raises(ValueError, match="unknown system 'tgi'"):
+        e2e.settings("tgi", BUDGET, CACHE, 2048)
+
+
+def test_arrivals():
+    assert e2e.arrivals(4, float("inf")) == [0.0] * 4
+    due = e2e.arrivals(4000, 2.0)
+    gaps = [b - a for a, b in zip(due, due[1:])]
+    assert due[0] == 0 and all(g > 0 for g in gaps) and due == e2e.arrivals(4000, 2.0)
+    assert statistics.fmean(gaps) == pytest.approx(0.5, rel=0.05)
+    assert statistics.stdev(gaps) == pytest.approx(0.5, rel=0.1)  # Poisson: exponential gaps
+    bursty = e2e.arrivals(4000, 2.0, burstiness=0.25)
+    bursty = [b - a for a, b in zip(bursty, bursty[1:])]
+    assert statistics.fmean(bursty) == pytest.approx(0.5, rel=0.1) and statistics.stdev(bursty) > 0.8
+
+
+def test_median_figures_take_each_figure_on_its_own():
+    rounds = [{"output_tok_per_s": t, "ttft_ms": {"mean": m, "median": m, "p99": p}}
+              for t, m, p in ((10.0, 5.0, 9.0), (30.0, 1.0, 7.0), (20.0, 3.0, 8.0))]
+    assert e2e.median_figures(rounds) == {"output_tok_per_s": 20.0, "ttft_ms": {"mean": 3.0, "median": 3.0, "p99": 8.0}}

@@ -1,0 +1,34 @@
+"""The peer environment: vLLM's CPU build in a virtualenv of its own
+(`make peers` creates `.venv-vllm` beside the checkout).  vLLM pins versions
+vattn cannot share, so vattn never imports it: the harness runs the peer's
+scripts (`vllm_*.py` in this folder, which import nothing of vattn) with the
+peer's interpreter, over JSON files."""
+import os
+import subprocess
+from pathlib import Path
+
+HERE = Path(__file__).parent
+HOW = "the vLLM peer needs its environment: run `make peers` (or set VATTN_VLLM_PYTHON)"
+# vLLM binds its compute threads to one core and reserves another by default; give it every core
+ALL_CORES = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+
+
+def vllm_python() -> Path | None:
+    """The peer environment's interpreter, or None where it is missing."""
+    named = os.environ.get("VATTN_VLLM_PYTHON")
+    path = Path(named) if named else HERE.parents[1] / ".venv-vllm" / "bin" / "python"
+    return path if path.exists() else None
+
+
+def script(name: str) -> Path:
+    return HERE / f"{name}.py"
+
+
+def popen(name: str, *args: str, **kwargs) -> subprocess.Popen:
+    """The peer script `name` running under the peer's interpreter with every core."""
+    python = vllm_python()
+    if python is None:
+        raise RuntimeError(HOW)
+    env = os.environ | ALL_CORES | {"PYTHONPATH": ""}
+    # -P: this folder must not shadow the peer's packages (transformers imports a package named `kernels`)
+    return subprocess.Popen([str(python), "-P", str(script(name)), *args], env=env, **kwargs)
