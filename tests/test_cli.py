@@ -77,6 +77,7 @@ def test_bench_e2e_runs_every_system(tmp_path):
         assert vattn_ran["torch_threads"] == os.cpu_count()
         assert vllm_ran["omp_threads_bind"] == f"0-{os.cpu_count() - 1}"
         assert vllm_ran["reserved_cpus"] == "0" and not vllm_ran["enforce_eager"]
+        assert "libiomp5.so" in vllm_ran["ld_preload"]  # as vLLM's CPU docs advise
         assert set(result["ratios"][str(rate)]) == {f"vattn_vs_{s}" for s in rows if s != "vattn"}
     assert {s["batch_size"] for s in result["static_sweep"]} == {8, 16, 32}
     assert (tmp_path / "e2e_sharegpt_throughput_latency.png").stat().st_size > 0

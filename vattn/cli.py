@@ -12,6 +12,8 @@ def info(args) -> None:
     from vattn.backends import get_backend
     from vattn.backends.cuda import unavailable
     from vattn.bench.report import print_table
+    from vattn.config import CacheConfig
+    from vattn.engine import EngineConfig
 
     backend = get_backend("cpu")
     why = unavailable()
@@ -20,6 +22,7 @@ def info(args) -> None:
         cuda = f"ready: {torch.cuda.get_device_name(gpu.device)}, pages of {gpu.granularity >> 20} MiB"
     else:
         cuda = f"unavailable: {why}"
+    engine, plain = EngineConfig().cache_settings(torch.device("cpu")), CacheConfig(1, 1, 1)
     with open("/proc/sys/vm/max_map_count") as f:
         max_maps = int(f.read())
     with open("/proc/self/maps") as f:
@@ -28,7 +31,8 @@ def info(args) -> None:
         ["vattn", vattn.__version__],
         ["host backend", f"{backend.name} (mmap + memfd)"],
         ["OS page size / granularity", f"{backend.granularity} B"],
-        ["default page size", "2 MiB"],
+        ["default page size, layout (engine, on the host)", f"{_size(engine['page_size'])}, {engine['layout']}"],
+        ["default page size, layout (CacheConfig, on the host)", f"{_size(plain.page_size)}, {plain.layout}"],
         ["CUDA backend", cuda],
         ["vm.max_map_count", max_maps],
         ["mappings in this process", maps_now],
@@ -37,6 +41,10 @@ def info(args) -> None:
         ["python", platform.python_version()],
         ["CPUs", os.cpu_count()],
     ])
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
 def generate(args) -> None:
@@ -64,7 +72,7 @@ def bench(args) -> None:
         from vattn.bench import engine
 
         engine.run(args.json, num_prompts=args.num_prompts or 64, max_tokens=args.max_tokens or 64,
-                   max_num_seqs=args.max_num_seqs, device=args.device)
+                   max_num_seqs=args.max_num_seqs, device=args.device, rounds=args.rounds)
     elif args.what == "soak":
         from vattn.bench import soak
 
@@ -162,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
                    help="e2e: requests/s (inf: all at once); several make a sweep")
     p.add_argument("--burstiness", type=float, default=1.0, help="e2e: gamma shape of the arrivals (1: Poisson)")
-    p.add_argument("--rounds", type=int, default=3, help="e2e: rounds per figure (median reported)")
+    p.add_argument("--rounds", type=int, default=3, help="e2e, engine: rounds per figure (median reported)")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS),
                    help=f"e2e: systems to run (default: {' '.join(SYSTEMS)}; paged_N for other block sizes)")
     p.add_argument("--kv-budget", help="e2e: KV memory of every system in bytes, e.g. 2GiB (default: vattn's own)")

@@ -209,7 +209,7 @@ def sdpa_same_kernel(module, query, key, value, attention_mask, **kwargs):
     """transformers' SDPA attention, except that a single decode token with
     grouped KV heads always takes the packed-GQA kernel.  transformers picks it
     only when a mask is present and otherwise asks torch for `enable_gqa`,
-    several times slower on CPU, so the kernel would depend on whether the
+    several times slower on CPU in bfloat16, so the kernel would depend on whether the
     cache makes a mask (StaticCache does) rather than on the work.  An all-true
     mask changes no result."""
     if attention_mask is None and query.shape[2] == 1 and query.shape[1] != key.shape[1]:

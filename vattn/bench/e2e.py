@@ -23,7 +23,6 @@ batch size of `STATIC_BATCHES` that fits the budget and keeps the best.
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from pathlib import Path
 import torch
 
 from vattn.bench import peers
-from vattn.bench.report import commit, console, print_table, write_json
+from vattn.bench.report import console, median_figures, print_table, write_json
 from vattn.engine.metrics import latency_report
 from vattn.engine.request import CompletionOutput, RequestMetrics, RequestOutput
 
@@ -172,17 +171,6 @@ def figures(result: dict, reqs: list[dict]) -> dict:
     return latency_report(outputs, seconds) | {"kv_bytes_committed": result["kv_bytes_committed"]}
 
 
-def median_figures(rounds: list[dict]) -> dict:
-    """Each figure's median over the rounds ({mean, median, p99} figures each on its own)."""
-    out = {}
-    for key, value in rounds[0].items():
-        if isinstance(value, dict):
-            out[key] = {k: statistics.median(r[key][k] for r in rounds) for k in value}
-        else:
-            out[key] = statistics.median(r[key] for r in rounds)
-    return out
-
-
 def run(json_path: str | None, plot_dir: str | None, workload: str = "sharegpt", num_prompts: int | None = None,
         max_tokens: int | None = None, rates: list[float] = (float("inf"),), burstiness: float = 1.0,
         rounds: int = 3, systems: list[str] = SYSTEMS, kv_budget: int | None = None,
@@ -224,7 +212,7 @@ def run(json_path: str | None, plot_dir: str | None, workload: str = "sharegpt",
             w.close()
     rows = [_row(name, r, rate_result, memory[r["worker"]], budget, workers[r["worker"]].ran)
             for rate_result in results for name, r in rate_result["systems"].items()]
-    result = {"commit": commit(), "workload": workload, **sizes, "requests": len(reqs),
+    result = {"workload": workload, **sizes, "requests": len(reqs),
               "prompt_tokens": sum(len(r["prompt"]) for r in reqs), "burstiness": burstiness,
               "request_rate": [_rate(r) for r in rates], "rounds_per_figure": rounds, "kv_budget_bytes": budget,
               "versions": _versions(workers), "threads": {"torch": torch.get_num_threads(), "cores": os.cpu_count()},

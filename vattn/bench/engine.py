@@ -5,7 +5,7 @@ mapping time on the step's critical path)."""
 import statistics
 import time
 
-from vattn.bench.report import print_table, write_json
+from vattn.bench.report import median_figures, print_table, write_json
 
 
 def workload(tokenizer, num_prompts: int, max_tokens: int, seed: int = 0):
@@ -66,7 +66,9 @@ def figure_rows(f: dict) -> list[list]:
     ]
 
 
-def run(json_path: str | None, num_prompts: int, max_tokens: int, max_num_seqs: int, device: str = "cpu") -> dict:
+def run(json_path: str | None, num_prompts: int, max_tokens: int, max_num_seqs: int, device: str = "cpu",
+        rounds: int = 3) -> dict:
+    """Each figure the median of `rounds` runs, with and without the worker taking turns."""
     import torch
 
     from vattn import LLM
@@ -75,12 +77,13 @@ def run(json_path: str | None, num_prompts: int, max_tokens: int, max_num_seqs: 
     model, tokenizer = load_smollm2(dtype=ENGINE_DTYPE if device == "cpu" else torch.bfloat16)
     model = model.to(device)
     _, prompts, params = workload(tokenizer, num_prompts, max_tokens)
-    results = {}
-    for map_ahead in (True, False):
-        llm = LLM(model, tokenizer, max_num_seqs=max_num_seqs, map_ahead=map_ahead)
-        _, results[map_ahead] = serve(llm, prompts, params)
-        llm.engine.close()
-    worker, inline = results[True], results[False]
+    results = {True: [], False: []}
+    for _ in range(rounds):
+        for map_ahead in results:
+            llm = LLM(model, tokenizer, max_num_seqs=max_num_seqs, map_ahead=map_ahead)
+            results[map_ahead].append(serve(llm, prompts, params)[1])
+            llm.engine.close()
+    worker, inline = median_figures(results[True]), median_figures(results[False])
     maps = {"with_worker": worker["map_ms_per_step"], "without_worker": inline["map_ms_per_step"]}
     shares = {"with_worker": worker["map_ms_per_step"] / worker["step_ms_median"],  # each run's own steps
               "without_worker": inline["map_ms_per_step"] / inline["step_ms_median"]}
@@ -89,7 +92,7 @@ def run(json_path: str | None, num_prompts: int, max_tokens: int, max_num_seqs: 
         ["mapping ms per step without the worker", f"{maps['without_worker']:.3f}"],
         ["mapping / median step (with / without worker)",
          f"{shares['with_worker']:.2%} / {shares['without_worker']:.2%}"]]
-    print_table(f"engine: {num_prompts} ShareGPT prompts, SmolLM2-135M on {device}, max_num_seqs={max_num_seqs}",
-                ["", ""], rows)
-    write_json(json_path, f)
+    print_table(f"engine: {num_prompts} ShareGPT prompts, SmolLM2-135M on {device}, max_num_seqs={max_num_seqs}, "
+                f"medians of {rounds} runs", ["", ""], rows)
+    write_json(json_path, f | {"rounds": {"with_worker": results[True], "without_worker": results[False]}})
     return f

@@ -105,12 +105,12 @@ def kernel_ratios(result: dict) -> list[list]:
     """Rows of the summary: each decode/prefill point's ms per layout and vattn's ratios."""
     points = {}
     for row in result["rows"]:
-        key = (row["phase"], row["model"], row["batch"], row["context"])
+        key = (row["phase"], row["model"], row["batch"], row["context"], row["lengths"])
         points.setdefault(key, {})[row["layout"]] = row["ms"]
-    return [[f"{phase} {model} b{batch} ctx{context}",
+    return [[f"{phase} {model} b{batch} ctx{context} {lengths}",
              " / ".join(f"{name} {ms:.3f}" for name, ms in by.items()),
-             f"{by['vattn'] / by['contiguous']:.2f} / {by['vattn'] / by['paged']:.2f}"]
-            for (phase, model, batch, context), by in points.items()]
+             f"{by['vattn'] / by['contiguous']:.2f} / {by['vattn'] / by['paged_gather']:.2f}"]
+            for (phase, model, batch, context, lengths), by in points.items()]
 
 
 def run(json_path: str | None, num_prompts: int = 64, max_tokens: int = 64, repeats: int = 20) -> dict:
@@ -162,7 +162,7 @@ def _vmm_rows(v: dict) -> list[list]:
 
 
 def _kernel_rows(k: dict) -> list[list]:
-    return [[f"attention {point} ms", f"{times}; vattn/contiguous, vattn/paged {ratios}"]
+    return [[f"attention {point} ms", f"{times}; vattn/contiguous, vattn/paged_gather {ratios}"]
             for point, times, ratios in kernel_ratios(k)]
 
 

@@ -15,7 +15,7 @@ import time
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from vattn.bench.report import print_table, write_json
+from vattn.bench.report import console, print_table, write_json
 from vattn.generate import CACHES, kv_bytes, make_cache
 
 PROMPTS = [
@@ -106,6 +106,30 @@ def run(json_path: str | None = None, batches=(1, 8), new_tokens=(512, 2048), at
     print_table("beam search, 4 beams at 1024 tokens: cache reorder per step (median ms)",
                 ["cache", "ms", "vattn speed-up"],
                 [[k, ms, reorder[k] / reorder["vattn"]] for k, ms in reorder.items()])
-    result = {"attn_implementation": attn, "results": results, "beam_reorder_ms": reorder}
+    result = {"attn_implementation": attn, "results": results, "beam_reorder_ms": reorder,
+              "targets": targets(by, batches, new_tokens, reorder)}
+    for name, t in result["targets"].items():
+        console.print(f"target {name}: {t['measured']:.3f} (goal {t['goal']}) " + ("met" if t["met"] else "MISSED"))
     write_json(json_path, result)
     return result
+
+
+def targets(by: dict, batches, new_tokens, reorder: dict) -> dict:
+    """Throughput ≥ 0.95× StaticCache and ≥ 1.0× DynamicCache at every point; committed KV ≤ 1.1× live
+    at the longest run; beam reorder ≥ 3× faster than DynamicCache's."""
+    out = {}
+    for n in new_tokens:
+        for batch in batches:
+            v = by["vattn", batch, n]["tokens_per_s"]
+            for kind, goal in (("static", 0.95), ("dynamic", 1.0)):
+                ratio = v / by[kind, batch, n]["tokens_per_s"]
+                out[f"vattn/{kind} tok/s b{batch} n{n}"] = {"measured": ratio, "goal": f">= {goal}",
+                                                             "met": ratio >= goal}
+    for batch in batches:
+        r = by["vattn", batch, max(new_tokens)]
+        held = r["kv_bytes_committed"] / r["kv_bytes_live"]
+        out[f"vattn KV held/live b{batch} n{max(new_tokens)}"] = {"measured": held, "goal": "<= 1.1",
+                                                                   "met": held <= 1.1}
+    speedup = reorder["dynamic"] / reorder["vattn"]
+    out["beam reorder speed-up over dynamic"] = {"measured": speedup, "goal": ">= 3", "met": speedup >= 3}
+    return out

@@ -1,23 +1,49 @@
-"""`vattn bench kernels`: attention over three KV layouts holding the same K/V.
+"""`vattn bench kernels`: attention over KV layouts holding the same K/V, and
+vLLM's CPU paged attention kernel over its own block pool.
 
 - `vattn`: a `VirtualKVCache` with the engine's default layout and page size
   for the device (`per_head`, 8 KiB on the host), read through `rows_kv`
   (zero-copy strided views);
+- `vattn_interleaved` (host only; the engine's CUDA layout already is): the
+  same cache in the `interleaved` layout, where a token's K/V of every layer
+  lie side by side, so one layer's rows are strided by all layers' bytes;
 - `contiguous`: ordinary `[B, H_kv, L, D]` tensors, the layout SDPA reads best;
-- `paged`: a `PagedKVCache` with the engine's block size, whose `rows_kv`
-  gathers through the block tables into a reused buffer (on CPU there is no
-  paged kernel, so gather + SDPA is the paged path, and the gather is timed).
+- `paged_gather`: a `PagedKVCache` with the engine's block size, whose
+  `rows_kv` gathers through the block tables into a reused buffer (the
+  engine's paged baseline: gather + SDPA, the gather timed);
+- `vllm_paged` (host only, one column per block size, 16 and 128 — vLLM's CPU
+  default): vLLM's own CPU kernel `cpu_attention_with_kv_cache` over blocks
+  written by `cpu_attn_reshape_and_cache`, scattered through the pool as after
+  churn.  vattn never imports vLLM: the peer script `vllm_kernels.py` measures
+  it in the peer environment (`peers.py`), fed the same points, and its output
+  is checked against SDPA over the same K/V (`max_abs_err`, within
+  `TOLERANCE` or the run fails).  Without that environment the bench says
+  how to make it and runs the other layouts.
 
-Every layout runs the engine's own kernels (`vattn.attention`) on one layer of
-a model's GQA shape, reading K/V through `rows_kv` inside the timed call.
-Decode: one token for each of B requests at `context` tokens, one batched
-`decode` call.  Prefill: for each of B requests a causal chunk of the
-engine's `max_num_batched_tokens` (256, or the whole context if shorter)
-ending at `context`, one `prefill` call per chunk, as the engine does.  What
-the engine builds once per step for all layers (the decode mask, the paged
-gather index) is built before timing.  The layouts take turns within each
-repeat, so load elsewhere on the machine hits all three alike; each figure is
-the median of `repeats` runs after a warm-up run.
+The vattn layouts run the engine's own kernels (`vattn.attention`) on layer 0
+of a model's GQA shape, reading K/V through `rows_kv` inside the timed call.
+The virtual caches have the model's real layer count, which sets the
+interleaved layout's strides; only layer 0 is written (on the host, pages
+mapped but never touched cost no memory; on CUDA every layer's are
+committed).  The contiguous and paged caches hold layer 0 alone: no layer
+count changes how it lies there.  Cases: decode, one token for each of B requests in
+one batched `decode` call, every request at `context` tokens (`uniform`) or
+at seeded lengths from context/32 to context (`mixed`, at the largest batch:
+64–2048 at context 2048; the engine's batched call reads every row up to the
+longest, masked); prefill with history, for each of B requests a causal
+chunk of the engine's `max_num_batched_tokens` (256, or the whole context if
+shorter) ending at `context`, one `prefill` call per chunk as the engine does
+(vLLM: one call for all chunks, as its engine does).  What an engine builds
+once per step for all layers (the decode mask, the paged gather index, vLLM's
+scheduler metadata) is built before timing.  The layouts take turns within
+each repeat (vLLM's block sizes among themselves, in its own process after
+the others), so load elsewhere hits them alike; each figure is the median of
+`repeats` runs after a warm-up run, with every thread torch has (vLLM's too).
+
+Every row carries its bandwidth floor `floor_ms`: the live K/V bytes the
+call must read (each request's tokens of one layer) at this machine's read
+bandwidth, measured once a run (`read_gb_per_s`: the median time of summing
+1 GiB of float32); the table shows each time with its multiple of the floor.
 
 On CUDA (`--device cuda`) the caches live on the GPU, the virtual one in the
 engine's CUDA layout (interleaved, pages of the driver's granularity), and
@@ -29,17 +55,23 @@ two more layouts run `flash_attn_with_kvcache`: over the virtual cache's views
 Thinned grid: prefill runs at the smallest batch only (a forward holds at most
 one 256-token chunk, and B chunks are B calls: B times the time, the same
 ratios), and dtypes other than float32 skip the largest batch × context of
-each phase (the costliest point, with the ratios of its neighbours).
+each case (the costliest point, with the ratios of its neighbours).
 """
+import dataclasses
+import json
 import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from rich.progress import Progress
 
 from vattn import attention
 from vattn.attention import StepBatch, decode, prefill
+from vattn.bench import peers
 from vattn.bench.plots import line_chart
 from vattn.bench.report import console, print_table, write_json
 from vattn.cache import VirtualKVCache
@@ -47,18 +79,36 @@ from vattn.config import CacheConfig
 from vattn.engine import EngineConfig
 from vattn.paged import PagedKVCache
 
-MODELS = {"SmolLM2-135M": (9, 3, 64), "Llama-3-8B": (32, 8, 128)}  # query heads, KV heads, head_dim
-LAYOUTS = ("vattn", "contiguous", "paged")
-GOALS = {"vattn/contiguous": 1.05, "vattn/paged": 0.6}  # at most: float32 decode, batch 8, context 2048
+MODELS = {"SmolLM2-135M": (9, 3, 64, 30), "Llama-3-8B": (32, 8, 128, 32)}  # query heads, KV heads, head_dim, layers
+LAYOUTS = ("vattn", "vattn_interleaved", "contiguous", "paged_gather")
+VLLM, BLOCK_SIZES = "vllm_paged", (16, 128)
+GOALS = {"vattn/contiguous": 1.05, "vattn/paged_gather": 0.6}  # at most: float32 decode, batch 8, context 2048
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # vllm_paged's max |out - SDPA in float32|
+READ_BYTES = 1 << 30  # summed to measure the read bandwidth
+
+
+class Point(NamedTuple):
+    """What one measurement is of, as rows name it."""
+
+    phase: str  # "decode" | "prefill"
+    dtype: str
+    model: str
+    batch: int
+    context: int
+    lengths: str  # "uniform" | "mixed"
+
+
+KEY = Point._fields
 
 
 class Contiguous:
-    """`[B, H_kv, L, D]` K and V behind the `rows_kv` the kernels read."""
+    """`[B, H_kv, L, D]` K and V behind the `rows_kv` the kernels read (zeros
+    past each request's length, as the virtual cache reads there)."""
 
     def __init__(self, config: CacheConfig):
         shape = (config.max_batch, config.num_kv_heads, config.max_seq_len, config.head_dim)
         self.config, self.device = config, torch.device(config.device)
-        self.k, self.v = (torch.empty(shape, dtype=config.dtype, device=config.device) for _ in "kv")
+        self.k, self.v = (torch.zeros(shape, dtype=config.dtype, device=config.device) for _ in "kv")
 
     def rows_kv(self, layer: int, lo: int, hi: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[lo:hi, :, :length].transpose(1, 2), self.v[lo:hi, :, :length].transpose(1, 2)
@@ -68,66 +118,88 @@ class Contiguous:
 
 
 def layouts(device: str) -> tuple[str, ...]:
-    flash = device != "cpu" and attention.flash_attn_with_kvcache is not None
-    return LAYOUTS + (("vattn_flash", "contiguous_flash") if flash else ())
+    """The layouts measured in this process."""
+    cuda = device != "cpu"
+    flash = cuda and attention.flash_attn_with_kvcache is not None
+    return tuple(n for n in LAYOUTS if not (cuda and n == "vattn_interleaved")) + (
+        ("vattn_flash", "contiguous_flash") if flash else ())
 
 
-def make_layouts(model: str, dtype: torch.dtype, batch: int, context: int, device: str = "cpu",
-                 seed: int = 0) -> dict:
-    """The layouts, each holding the same random K/V of `batch` requests at `context` tokens."""
-    engine = EngineConfig()
-    _, Hkv, D = MODELS[model]
-    settings = engine.cache_settings(torch.device(device))
-    config = CacheConfig(1, Hkv, D, dtype, max_batch=batch, max_seq_len=context, page_size=settings["page_size"],
-                         layout=settings["layout"], device=device)
-    caches = {"vattn": VirtualKVCache(config), "contiguous": Contiguous(config),
-              "paged": PagedKVCache(config, block_size=engine.block_size)}
+def request_lengths(kind: str, batch: int, context: int, seed: int = 0) -> list[int]:
+    """Tokens of each request: all `context` (`uniform`) or seeded from context/32 to context (`mixed`)."""
+    if kind == "uniform":
+        return [context] * batch
     g = torch.Generator().manual_seed(seed)
-    for slot in range(batch):
-        k, v = (torch.randn(1, context, Hkv, D, generator=g).to(dtype).to(device) for _ in "kv")
-        caches["contiguous"].k[slot], caches["contiguous"].v[slot] = k[0].transpose(0, 1), v[0].transpose(0, 1)
-        for cache in (caches["vattn"], caches["paged"]):
-            assert cache.allocate(context) == slot
-            cache.write(0, [slot], [0], k, v)
-    if "vattn_flash" in layouts(device):
+    return torch.randint(max(1, context // 32), context + 1, (batch,), generator=g).tolist()
+
+
+def query_tokens(phase: str, context: int) -> int:
+    return 1 if phase == "decode" else min(EngineConfig().max_num_batched_tokens, context)
+
+
+def make_layouts(model: str, dtype: torch.dtype, lengths: list[int], device: str = "cpu", seed: int = 0) -> dict:
+    """The layouts of `layouts(device)`, each holding the same random K/V (layer 0) of requests of `lengths` tokens."""
+    engine = EngineConfig()
+    _, Hkv, D, num_layers = MODELS[model]
+    settings = engine.cache_settings(torch.device(device))
+    config = CacheConfig(num_layers, Hkv, D, dtype, max_batch=len(lengths), max_seq_len=max(lengths),
+                         page_size=settings["page_size"], layout=settings["layout"], device=device)
+    layer0 = dataclasses.replace(config, num_layers=1, memory_budget=None)
+    names = layouts(device)
+    caches = {"vattn": VirtualKVCache(config), "contiguous": Contiguous(layer0),
+              "paged_gather": PagedKVCache(layer0, block_size=engine.block_size)}
+    if "vattn_interleaved" in names:
+        caches["vattn_interleaved"] = VirtualKVCache(dataclasses.replace(config, layout="interleaved"))
+    g = torch.Generator().manual_seed(seed)
+    for slot, length in enumerate(lengths):
+        k, v = (torch.randn(1, length, Hkv, D, generator=g).to(dtype).to(device) for _ in "kv")
+        contiguous = caches["contiguous"]
+        contiguous.k[slot, :, :length], contiguous.v[slot, :, :length] = k[0].transpose(0, 1), v[0].transpose(0, 1)
+        for cache in caches.values():
+            if cache is not contiguous:
+                assert cache.allocate(length) == slot
+                cache.write(0, [slot], [0], k, v)
+    if "vattn_flash" in names:
         caches["vattn_flash"] = caches["vattn"]
         caches["contiguous_flash"] = caches["contiguous"].k.transpose(1, 2), caches["contiguous"].v.transpose(1, 2)
-    return caches
+    return {name: caches[name] for name in names}
 
 
 def make_queries(phase: str, model: str, batch: int, context: int, dtype: torch.dtype, device: str = "cpu",
                  seed: int = 1) -> torch.Tensor:
     """Decode: `[B, H, D]`, one token per request; prefill: `[B, n, H, D]`, each request's last n tokens."""
-    H, _, D = MODELS[model]
-    n = 1 if phase == "decode" else min(EngineConfig().max_num_batched_tokens, context)
+    H, _, D, _ = MODELS[model]
+    n = query_tokens(phase, context)
     q = torch.randn(batch, n, H, D, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
     return q[:, 0] if phase == "decode" else q
 
 
-def kernel(phase: str, cache, q: torch.Tensor, context: int, name: str = "vattn"):
-    """A call running `phase` attention of `q` over `cache` (layer 0), returning its output: the
-    engine's kernels, or for the `*_flash` layouts `flash_attn_with_kvcache` over the same K/V."""
+def kernel(phase: str, cache, q: torch.Tensor, lengths: list[int], name: str = "vattn"):
+    """A call running `phase` attention of `q` over `cache` (layer 0), request i
+    holding `lengths[i]` tokens (its query the last of them), returning its
+    output: the engine's kernels, or for the `*_flash` layouts
+    `flash_attn_with_kvcache` over the same K/V."""
     B, scale = q.shape[0], q.shape[-1] ** -0.5
     if name.endswith("_flash"):
-        return _flash_kernel(phase, cache, q, context, name)
+        return _flash_kernel(phase, cache, q, lengths, name)
     if phase == "decode":
-        step = StepBatch(cache, list(range(B)), [context - 1] * B, [])
+        step = StepBatch(cache, list(range(B)), [length - 1 for length in lengths], [])
         step.decode_mask(None)
         return lambda: decode(step, 0, q, scale, None)
-    start = context - q.shape[1]
-    return lambda: torch.stack([prefill(q[i], *(t[0] for t in cache.rows_kv(0, i, i + 1, context)), start, scale,
-                                         None) for i in range(B)])
+    n = q.shape[1]
+    return lambda: torch.stack([prefill(q[i], *(t[0] for t in cache.rows_kv(0, i, i + 1, length)), length - n, scale,
+                                        None) for i, length in enumerate(lengths)])
 
 
-def _flash_kernel(phase: str, cache, q: torch.Tensor, context: int, name: str):
-    """`flash_attn_with_kvcache` reading each request's `context` tokens (the
-    query's own K/V among them, so nothing is appended)."""
+def _flash_kernel(phase: str, cache, q: torch.Tensor, lengths: list[int], name: str):
+    """`flash_attn_with_kvcache` reading each request's tokens (the query's
+    own K/V among them, so nothing is appended)."""
     B, n = q.shape[0], 1 if phase == "decode" else q.shape[1]
     q = q[:, None] if phase == "decode" else q
     K, V = cache.layer_kv(0) if name == "vattn_flash" else cache
-    lengths = torch.full((B,), context, dtype=torch.int32, device=q.device)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=q.device)
     slots = torch.arange(B, dtype=torch.int32, device=q.device)
-    return lambda: attention.flash_attn_with_kvcache(q, K, V, cache_seqlens=lengths, cache_batch_idx=slots,
+    return lambda: attention.flash_attn_with_kvcache(q, K, V, cache_seqlens=seqlens, cache_batch_idx=slots,
                                                      softmax_scale=q.shape[-1] ** -0.5, causal=n > 1)
 
 
@@ -148,58 +220,143 @@ def median_ms(calls: dict, repeats: int) -> dict[str, float]:
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def grid(batches: list[int], contexts: list[int], dtypes: list[str]) -> list[tuple]:
-    """(phase, dtype, model, batch, context) to measure, thinned as the module says."""
+def read_gb_per_s(device: str, repeats: int) -> float:
+    """The read bandwidth kernels can reach here: 1 GiB of float32 summed
+    with every thread (the median of `repeats`), in GB/s."""
+    x = torch.ones(READ_BYTES // 4, device=device)
+    return READ_BYTES / median_ms({"sum": x.sum}, max(repeats, 5))["sum"] / 1e6
+
+
+def floor_ms(model: str, dtype: str, lengths: list[int], gb_per_s: float) -> float:
+    """The time reading the live K/V of layer 0 takes at `gb_per_s`."""
+    _, Hkv, D, _ = MODELS[model]
+    return sum(lengths) * 2 * Hkv * D * getattr(torch, dtype).itemsize / gb_per_s / 1e6
+
+
+def grid(batches: list[int], contexts: list[int], dtypes: list[str]) -> list[Point]:
+    """The points to measure, thinned as the module says."""
     points = []
-    for phase, sizes in {"decode": [(b, c) for b in batches for c in contexts],
-                         "prefill": [(min(batches), c) for c in contexts]}.items():
+    cases = {("decode", "uniform"): [(b, c) for b in batches for c in contexts],
+             ("decode", "mixed"): [(max(batches), c) for c in contexts] if max(batches) > 1 else [],
+             ("prefill", "uniform"): [(min(batches), c) for c in contexts]}
+    for (phase, lengths), sizes in cases.items():
         largest = max(sizes, key=lambda s: s[0] * s[1]) if len(sizes) > 1 else None
-        points += [(phase, dtype, model, b, c) for dtype in dtypes for model in MODELS for b, c in sizes
+        points += [Point(phase, dtype, model, b, c, lengths) for dtype in dtypes for model in MODELS for b, c in sizes
                    if dtype == "float32" or (b, c) != largest]
     return points
+
+
+def vllm_paged(points: list[Point], repeats: int, progress: Progress | None = None) -> dict | None:
+    """vLLM's kernel at each point, by the peer script `vllm_kernels.py`:
+    `{"vllm", "torch", "threads", "isa", "results"}`, results[i] being
+    point i's `[{"block_size", "ms", "max_abs_err"}]`; None (said once) where
+    the peer environment is missing."""
+    if peers.vllm_python() is None:
+        console.print(f"vllm_paged not measured: {peers.HOW}")
+        return None
+    task = progress.add_task("vLLM's paged attention (peer process)", total=len(points)) if progress else None
+    specs = [dict(phase=p.phase, dtype=p.dtype, heads=MODELS[p.model][0], kv_heads=MODELS[p.model][1],
+                  head_dim=MODELS[p.model][2], lengths=request_lengths(p.lengths, p.batch, p.context),
+                  query_tokens=query_tokens(p.phase, p.context)) for p in points]
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = Path(tmp) / "points.json", Path(tmp) / "ms.json"
+        spec.write_text(json.dumps({"points": specs, "block_sizes": BLOCK_SIZES, "repeats": repeats,
+                                    "threads": torch.get_num_threads()}))
+        proc = peers.popen("vllm_kernels", str(spec), str(out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+        log = []
+        for line in proc.stdout:  # one line per point done, among vLLM's own
+            log.append(line)
+            if task is not None and line.startswith("vllm_kernels: point"):
+                progress.advance(task)
+        if proc.wait():
+            raise RuntimeError(f"vllm_kernels.py failed (exit {proc.returncode}):\n{''.join(log[-40:])}")
+        result = json.loads(out.read_text())
+    for point, measured in zip(points, result["results"], strict=True):
+        check(point, measured)
+    return result
+
+
+def check(point: Point, measured: list[dict]) -> None:
+    """Fail loudly where vLLM's output is off the reference."""
+    for m in measured:
+        if not m["max_abs_err"] <= TOLERANCE[point.dtype]:  # NaN fails too
+            raise AssertionError(f"vllm_paged block {m['block_size']} at {point}: max_abs_err {m['max_abs_err']:.3g} "
+                                 f"> {TOLERANCE[point.dtype]} against SDPA over the same K/V")
+
+
+def column(row: dict) -> str:
+    """A row's column in the table and line in the plots."""
+    return f"{VLLM} {row['block_size']}" if row["layout"] == VLLM else row["layout"]
 
 
 def run(json_path: str | None, plot_dir: str | None, batches: list[int] = [1, 8, 32],
         contexts: list[int] = [512, 2048, 8192], dtypes: list[str] = ["float32", "bfloat16"],
         repeats: int = 15, device: str = "cpu") -> dict:
-    results = {}  # point -> {layout: ms}
-    names = layouts(device)
+    points = grid(batches, contexts, dtypes)
+    lengths = {p: request_lengths(p.lengths, p.batch, p.context) for p in points}
+    gb_per_s = read_gb_per_s(device, repeats)
+    floors = {p: floor_ms(p.model, p.dtype, lengths[p], gb_per_s) for p in points}
+    rows = []
     with Progress(console=console, transient=True) as bar, torch.inference_mode():
-        points = grid(batches, contexts, dtypes)
         task = bar.add_task("attention kernels", total=len(points))
         for point in points:
-            phase, dtype, model, batch, context = point
-            bar.update(task, description=f"{phase} {dtype} {model} batch {batch} context {context}")
-            caches = make_layouts(model, getattr(torch, dtype), batch, context, device)
+            phase, dtype, model, batch, context, kind = point
+            bar.update(task, description=f"{phase} {dtype} {model} batch {batch} context {context} {kind}")
+            caches = make_layouts(model, getattr(torch, dtype), lengths[point], device)
             q = make_queries(phase, model, batch, context, getattr(torch, dtype), device)
-            results[point] = median_ms({name: kernel(phase, c, q, context, name) for name, c in caches.items()},
-                                       repeats)
+            ms = median_ms({name: kernel(phase, c, q, lengths[point], name) for name, c in caches.items()}, repeats)
+            rows += [dict(point._asdict(), layout=name, ms=t, floor_ms=floors[point]) for name, t in ms.items()]
             del caches
             bar.advance(task)
-    ratios = {point: {"vattn/contiguous": ms["vattn"] / ms["contiguous"], "vattn/paged": ms["vattn"] / ms["paged"]}
-              for point, ms in results.items()}
-    print_table(f"attention kernel time on {device}, one layer (ms, median of {repeats})",
-                ["phase", "dtype", "model", "batch", "context", *names, *GOALS],
-                [[*point, *(ms[name] for name in names), *ratios[point].values()] for point, ms in results.items()])
-    measured = {}
+        peer = vllm_paged(points, repeats, bar) if device == "cpu" else None
+    for point, measured in zip(points, peer["results"] if peer else []):
+        rows += [dict(point._asdict(), layout=VLLM, ms=m["ms"], floor_ms=floors[point], block_size=m["block_size"],
+                      max_abs_err=m["max_abs_err"]) for m in measured]
+    by_point = {point: {} for point in points}  # point -> {column: ms}
+    for row in rows:
+        by_point[Point(*(row[k] for k in KEY))][column(row)] = row["ms"]
+    columns = list(dict.fromkeys(column(row) for row in rows))
+    against = [*GOALS, *(f"vattn/{c}" for c in columns if c.startswith(VLLM))]
+    ratios = {point: {r: by["vattn"] / by[r.split("/")[1]] for r in against} for point, by in by_point.items()}
+    print_table(f"attention kernel time on {device}, layer 0 (ms, median of {repeats}; ×: multiple of the bandwidth "
+                f"floor, the live K/V read at {gb_per_s:.1f} GB/s)", [*KEY, "floor ms", *columns, *against],
+                [[*point, floors[point], *(f"{_ms(by[c])} ×{by[c] / floors[point]:.1f}" for c in columns),
+                  *ratios[point].values()] for point, by in by_point.items()])
+    targets = {}
     for model in MODELS:
-        r = ratios.get(("decode", "float32", model, 8, 2048))
+        r = ratios.get(("decode", "float32", model, 8, 2048, "uniform"))
         if r:
-            measured[model] = {**r, "met": all(r[k] <= goal for k, goal in GOALS.items())}
+            targets[model] = {**r, "met": all(r[k] <= goal for k, goal in GOALS.items())}
             console.print(f"target, {model} fp32 decode batch 8 context 2048: "
                           + ", ".join(f"{k} {r[k]:.3f} (goal ≤ {goal})" for k, goal in GOALS.items())
-                          + (" met" if measured[model]["met"] else " MISSED"))
-    rows = [dict(phase=p, dtype=d, model=m, batch=b, context=c, layout=name, ms=ms[name])
-            for (p, d, m, b, c), ms in results.items() for name in names]
-    result = {"device": device, "rows": rows,
-              "targets": {"phase": "decode", "dtype": "float32", "batch": 8, "context": 2048, "at_most": GOALS,
-                          "measured": measured}}
+                          + (" met" if targets[model]["met"] else " MISSED"))
+    result = {"device": device, "torch": torch.__version__, "read_gb_per_s": gb_per_s,
+              "threads": {"vattn": torch.get_num_threads(), **({VLLM: peer["threads"]} if peer else {})},
+              "vllm": {k: peer[k] for k in ("vllm", "torch", "isa")} if peer else None, "rows": rows,
+              "targets": {"phase": "decode", "dtype": "float32", "batch": 8, "context": 2048, "lengths": "uniform",
+                          "at_most": GOALS, "measured": targets}}
     write_json(json_path, result)
     if plot_dir:
-        for phase, dtype, model, batch in dict.fromkeys(point[:4] for point in results):
-            curve = {c: ms for (*key, c), ms in results.items() if tuple(key) == (phase, dtype, model, batch)}
-            line_chart(Path(plot_dir) / f"kernels_{phase}_{dtype}_{model}_b{batch}.png",
-                       f"{phase} attention, one layer of {model}, {dtype}, batch {batch}", "context (tokens)",
-                       "ms (median)", {name: (list(curve), [ms[name] for ms in curve.values()]) for name in names},
-                       log_x=True)
+        _plot(Path(plot_dir), by_point, floors, columns)
     return result
+
+
+def _ms(ms: float) -> str:
+    return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
+
+
+def _plot(plot_dir: Path, by_point: dict, floors: dict, columns: list[str]) -> None:
+    """Kernel time against context, a line per layout and one for the bandwidth floor, per case."""
+    cases = {}  # (phase, dtype, model, batch, lengths) -> its points, one per context
+    for point in by_point:
+        cases.setdefault(point._replace(context=None), []).append(point)
+    for (phase, dtype, model, batch, _, kind), points in cases.items():
+        x = [point.context for point in points]
+        series = {c: (x, [by_point[point][c] for point in points]) for c in columns}
+        series["bandwidth floor"] = x, [floors[point] for point in points]
+        mixed = kind == "mixed"
+        line_chart(plot_dir / f"kernels_{phase}_{dtype}_{model}_b{batch}{'_mixed' if mixed else ''}.png",
+                   f"{phase} attention, layer 0 of {model}, {dtype}, batch {batch}"
+                   + (", lengths context/32 to context" if mixed else ""), "context (tokens)", "ms (median)",
+                   series, log_x=True, log_y=True, dashed={"bandwidth floor"})

