@@ -8,6 +8,7 @@ most 1024 and pairs of at most 2048.  `long_prompts` takes conversations
 whole instead: every turn up to a final assistant turn, through the chat
 template, for decode-heavy long-context traffic.
 """
+import itertools
 import json
 import random
 from dataclasses import dataclass
@@ -49,19 +50,15 @@ def conversations() -> list[list[dict]]:
 def sample(tokenizer, num_requests: int, seed: int = 0, max_prompt_len: int = 1024,
            max_total_len: int = 2048) -> list[SampledRequest]:
     """`num_requests` ShareGPT requests in a seeded random order, filtered by vLLM's rules."""
-    chats = conversations()
-    random.Random(seed).shuffle(chats)
-    sampled = []
-    for chat in chats:
-        if len(sampled) == num_requests:
-            break
+    def request(chat):
         prompt, reply = chat[0]["content"], chat[1]["content"]
         prompt_len = len(chat_prompt(tokenizer, prompt))
         output_len = len(tokenizer(reply)["input_ids"])
         if prompt_len < 4 or output_len < 4 or prompt_len > max_prompt_len or prompt_len + output_len > max_total_len:
-            continue
-        sampled.append(SampledRequest(prompt, prompt_len, output_len))
-    return sampled
+            return None
+        return SampledRequest(prompt, prompt_len, output_len)
+
+    return _first(num_requests, seed, request)
 
 
 def chat_prompt(tokenizer, text: str) -> list[int]:
@@ -78,17 +75,20 @@ def long_prompts(tokenizer, num_requests: int, seed: int = 0, min_len: int = 100
     `min_len`-`max_len` tokens (the turns before it, ready for that reply)."""
     from vattn.llm import chat_token_ids
 
-    chats = conversations()
-    random.Random(seed).shuffle(chats)
-    prompts = []
-    for chat in chats:
-        if len(prompts) == num_requests:
-            break
+    def prompt(chat):
         ends = [i for i, m in enumerate(chat) if m["role"] == "assistant" and i > 0 and chat[i - 1]["role"] == "user"]
         for end in reversed(ends):
             ids = chat_token_ids(tokenizer, chat[:end])
             if len(ids) <= max_len:
-                if len(ids) >= min_len:
-                    prompts.append(ids)
-                break
-    return prompts
+                return ids if len(ids) >= min_len else None
+        return None
+
+    return _first(num_requests, seed, prompt)
+
+
+def _first(num: int, seed: int, pick) -> list:
+    """The first `num` results of `pick(conversation)` that are not None, the
+    conversations taken in a seeded random order."""
+    chats = conversations()
+    random.Random(seed).shuffle(chats)
+    return list(itertools.islice((x for x in map(pick, chats) if x is not None), num))
