@@ -24,7 +24,7 @@ def write_json(path: str | None, data: dict) -> None:
     """`data` at `path`, naming the commit that measured it."""
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps({"commit": commit()} | data, indent=2) + "\n")
+        Path(path).write_text(json.dumps({"commit": COMMIT} | data, indent=2) + "\n")
         console.print(f"wrote {path}")
 
 
@@ -52,6 +52,9 @@ def commit() -> str | None:
         return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+COMMIT = commit()  # the code a run starts with, whatever is edited while it runs
 
 
 def _cell(value) -> str:
