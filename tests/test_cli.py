@@ -42,13 +42,25 @@ def test_demo_serves_sharegpt_prompts(tmp_path):
     assert 0 < result["kv_utilization"] <= 1 and result["peak_pages"] > 0
 
 
+def test_bench_engine_reports_medians_of_its_rounds(tmp_path):
+    path = tmp_path / "engine.json"
+    out = vattn("bench", "engine", "--num-prompts", "2", "--max-tokens", "4", "--rounds", "2", "--json", str(path))
+    assert "medians of 2 runs" in out and "mapping ms per step without the worker" in out
+    result = json.loads(path.read_text())
+    runs = result["rounds"]["with_worker"]
+    assert len(runs) == 2 and len(result["rounds"]["without_worker"]) == 2 and result["commit"]
+    assert min(r["step_ms_median"] for r in runs) <= result["step_ms_median"] <= max(r["step_ms_median"] for r in runs)
+    assert result["output_tokens"] == runs[0]["output_tokens"] and result["layout"] == "per_head"
+
+
 def test_bench_soak_passes_on_a_few_requests(tmp_path):
     path = tmp_path / "soak.json"
     out = vattn("bench", "soak", "--requests", "40", "--json", str(path))
     assert "soak: 40 requests per preemption mode" in out
     rows = json.loads(path.read_text())["rows"]
     assert [r["mode"] for r in rows] == ["recompute", "swap"]
-    assert all(r["mismatches"] == 0 and r["pool_whole"] and r["preemptions"] > 0 for r in rows)
+    assert all(r["mismatches"] == r["missing"] == 0 and r["pool_whole"] and r["preemptions"] > 0 for r in rows)
+    assert all(r["finished"] + r["aborted"] == 40 for r in rows)
 
 
 def test_bench_e2e_runs_every_system(tmp_path):

