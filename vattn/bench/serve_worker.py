@@ -22,18 +22,19 @@ import os
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 
 def main(system: str, settings_path: str) -> None:
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
-    settings = json.loads(open(settings_path).read())
+    settings = json.loads(Path(settings_path).read_text())
     import torch
 
     from vattn.models import ENGINE_DTYPE, load_smollm2
 
     model, tokenizer = load_smollm2(dtype=ENGINE_DTYPE)
-    serve = SYSTEMS[system.split("_")[0] if system.startswith("paged_") else system]
+    serve = SYSTEMS["paged" if system.startswith("paged_") else system]
     ran = settings | {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                       "dtype": str(model.dtype).removeprefix("torch.")}
     print(json.dumps({"ready": ran}), file=protocol)

@@ -16,12 +16,13 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def main(settings_path: str) -> None:
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # vLLM's own prints go to the log, not the protocol
-    settings = json.loads(open(settings_path).read())
+    settings = json.loads(Path(settings_path).read_text())
     import torch
     import vllm
     from vllm import LLM, SamplingParams
