@@ -49,6 +49,8 @@ def test_arrivals():
 
 
 def test_median_figures_take_each_figure_on_its_own():
-    rounds = [{"output_tok_per_s": t, "ttft_ms": {"mean": m, "median": m, "p99": p}}
+    rounds = [{"output_tok_per_s": t, "ttft_ms": {"mean": m, "median": m, "p99": p}, "page_size": 8192}
               for t, m, p in ((10.0, 5.0, 9.0), (30.0, 1.0, 7.0), (20.0, 3.0, 8.0))]
-    assert median_figures(rounds) == {"output_tok_per_s": 20.0, "ttft_ms": {"mean": 3.0, "median": 3.0, "p99": 8.0}}
+    assert median_figures(rounds) == {"output_tok_per_s": 20.0, "ttft_ms": {"mean": 3.0, "median": 3.0, "p99": 8.0},
+                                      "page_size": 8192}
+    assert median_figures(rounds[:2])["page_size"] == 8192  # a setting stays an int, even over two rounds
