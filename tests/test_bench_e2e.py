@@ -54,3 +54,17 @@ def test_median_figures_take_each_figure_on_its_own():
     assert median_figures(rounds) == {"output_tok_per_s": 20.0, "ttft_ms": {"mean": 3.0, "median": 3.0, "p99": 8.0},
                                       "page_size": 8192}
     assert median_figures(rounds[:2])["page_size"] == 8192  # a setting stays an int, even over two rounds
+
+
+def test_long_workload_takes_whole_conversations_of_the_stated_lengths():
+    from transformers import AutoTokenizer
+
+    from vattn.models import smollm2_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
+    reqs = e2e.requests(tokenizer, "long", num_prompts=3, max_tokens=256)
+    assert len(reqs) == 3 and all(r["max_tokens"] == 256 for r in reqs)
+    assert all(1000 <= len(r["prompt"]) <= 1792 for r in reqs)
+    for r in reqs:  # through the chat template, ending ready for the assistant's reply
+        text = tokenizer.decode(r["prompt"])
+        assert text.count("<|im_start|>user") >= 1 and text.rstrip().endswith("<|im_start|>assistant")
