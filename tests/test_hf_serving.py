@@ -58,6 +58,14 @@ def test_rejects_requests_the_peers_cannot_serve_like_the_engine():
         serve_static(model, [[3, 4]], [SamplingParams(temperature=0.8)], progress=False)
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         serve_continuous_batching(model, [[3, 4]], [SamplingParams(temperature=0)] * 2, progress=False)
+    with pytest.raises(ValueError, match="arrivals must be one offset >= 0 per prompt"):
+        serve_static(model, [[3, 4]], [SamplingParams(temperature=0)], arrivals=[-1.0], progress=False)
+    with pytest.raises(ValueError, match="arrivals must be one offset >= 0 per prompt"):
+        serve_continuous_batching(model, [[3, 4]], [SamplingParams(temperature=0)], arrivals=[0.0, 1.0],
+                                  progress=False)
+    with pytest.raises(ValueError, match="must agree on ignore_eos"):
+        serve_static(model, [[3, 4], [5, 6]], [SamplingParams(temperature=0),
+                                               SamplingParams(temperature=0, ignore_eos=True)], progress=False)
 
 
 @pytest.mark.parametrize("server", SERVERS)
