@@ -11,7 +11,7 @@ from vattn.backends import CudaBackend, CudaUnavailable, get_backend
 from vattn.backends.cuda import unavailable
 from vattn.bench.soak import pool_is_whole
 from vattn.engine import LLMEngine
-from vattn.hf import VAttnCache
+from vattn.integrations.hf import VAttnCache
 
 NO_CUDA = unavailable()
 cuda = pytest.mark.skipif(NO_CUDA is not None, reason=f"needs a CUDA GPU: {NO_CUDA}")
@@ -207,7 +207,7 @@ from transformers import GenerationConfig
 from vattn import SamplingParams
 from vattn.bench.soak import pool_is_whole
 from vattn.engine import LLMEngine
-from vattn.hf import VAttnCache
+from vattn.integrations.hf import VAttnCache
 
 model = tiny_model("mistral", "sdpa")  # a sliding window, too
 config = GenerationConfig(max_new_tokens=40, do_sample=False, pad_token_id=0, eos_token_id=95)

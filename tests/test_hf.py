@@ -4,7 +4,7 @@ import torch
 from tiny_models import TINY, tiny_model
 from transformers import DynamicCache, StaticCache
 
-from vattn.hf import KVMemoryError, VAttnCache
+from vattn.integrations.hf import KVMemoryError, VAttnCache
 
 MODES = {
     "greedy": dict(do_sample=False),

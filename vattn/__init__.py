@@ -1,9 +1,9 @@
 """vattn: a KV cache in virtually contiguous memory with physical pages mapped on demand."""
 from vattn.backends import Backend, get_backend
-from vattn.cache import CacheStats, SwappedSlot, VirtualKVCache
+from vattn.kv.virtual import CacheStats, SwappedSlot, VirtualKVCache
 from vattn.config import CacheConfig
-from vattn.page_pool import PagePool
-from vattn.paged import PagedKVCache
+from vattn.kv.pool import PagePool
+from vattn.kv.paged import PagedKVCache
 from vattn.sampling_params import SamplingParams
 
 __all__ = ["LLM", "Backend", "CacheConfig", "CacheStats", "EngineConfig", "LLMEngine", "PagePool", "PagedKVCache",
@@ -11,7 +11,7 @@ __all__ = ["LLM", "Backend", "CacheConfig", "CacheStats", "EngineConfig", "LLMEn
 __version__ = "0.1.0"
 
 
-_NEEDS_TRANSFORMERS = {"VAttnCache": "vattn.hf", "LLM": "vattn.llm", "LLMEngine": "vattn.engine",
+_NEEDS_TRANSFORMERS = {"VAttnCache": "vattn.integrations.hf", "LLM": "vattn.llm", "LLMEngine": "vattn.engine",
                        "EngineConfig": "vattn.engine"}
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from vattn.slot_cache import SlotCache
+from vattn.kv.slots import SlotCache
 
 try:
     from flash_attn import flash_attn_with_kvcache

@@ -18,7 +18,7 @@ def make_cache(kind: str, model, batch: int, max_seq_len: int):
     """A fresh cache of `kind` for `batch` rows of up to `max_seq_len` tokens."""
     from transformers import DynamicCache, StaticCache
 
-    from vattn.hf import VAttnCache
+    from vattn.integrations.hf import VAttnCache
 
     if kind == "vattn":
         return VAttnCache.from_model(model, max_batch=batch, max_seq_len=max_seq_len)
@@ -31,7 +31,7 @@ def make_cache(kind: str, model, batch: int, max_seq_len: int):
 
 def kv_bytes(cache) -> tuple[int, int]:
     """(bytes of KV memory the cache holds, bytes of the tokens it stores)."""
-    from vattn.hf import VAttnCache
+    from vattn.integrations.hf import VAttnCache
 
     if isinstance(cache, VAttnCache):
         st = cache.stats()
@@ -48,7 +48,7 @@ def kv_bytes(cache) -> tuple[int, int]:
 def run(prompt: str, max_new_tokens: int, num_beams: int, cache_kind: str) -> None:
     from transformers import TextStreamer
 
-    from vattn.hf import VAttnCache
+    from vattn.integrations.hf import VAttnCache
     from vattn.models import load_smollm2
 
     model, tokenizer = load_smollm2(attn_implementation="vattn_sdpa")

@@ -176,7 +176,7 @@ def run(json_path: str | None, plot_dir: str | None, workload: str = "sharegpt",
         rounds: int = 3, systems: list[str] = SYSTEMS, kv_budget: int | None = None,
         log_dir: str | None = None) -> dict:
     from vattn.engine import EngineConfig
-    from vattn.hf import cache_config_for
+    from vattn.integrations.hf import cache_config_for
     from vattn.models import ENGINE_DTYPE, load_smollm2
 
     if rounds < 1:

@@ -80,7 +80,7 @@ def beam_reorder_ms(model, kind: str, context: int = 1024, beams: int = 4, steps
 
 
 def run(json_path: str | None = None, batches=(1, 8), new_tokens=(512, 2048), attn: str = "sdpa") -> dict:
-    import vattn.hf  # noqa: F401  (registers "vattn_sdpa")
+    import vattn.integrations.hf  # noqa: F401  (registers "vattn_sdpa")
     from vattn.models import load_smollm2
 
     model, tokenizer = load_smollm2(attn_implementation=attn)

@@ -148,7 +148,7 @@ def _check(model, prompts, params, arrivals) -> tuple[list[int], list[float]]:
 
 def _token_bytes(model) -> int:
     """Bytes of K and V one token takes across the model's layers."""
-    from vattn.hf import cache_config_for
+    from vattn.integrations.hf import cache_config_for
 
     return cache_config_for(model).kv_bytes_per_token
 

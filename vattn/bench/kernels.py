@@ -74,10 +74,10 @@ from vattn.attention import StepBatch, decode, prefill
 from vattn.bench import peers
 from vattn.bench.plots import line_chart
 from vattn.bench.report import console, print_table, write_json
-from vattn.cache import VirtualKVCache
+from vattn.kv.virtual import VirtualKVCache
 from vattn.config import CacheConfig
 from vattn.engine import EngineConfig
-from vattn.paged import PagedKVCache
+from vattn.kv.paged import PagedKVCache
 
 MODELS = {"SmolLM2-135M": (9, 3, 64, 30), "Llama-3-8B": (32, 8, 128, 32)}  # query heads, KV heads, head_dim, layers
 LAYOUTS = ("vattn", "vattn_interleaved", "contiguous", "paged_gather")

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from vattn.bench.report import print_table, write_json
 from vattn.engine import LLMEngine
-from vattn.hf import cache_config_for
+from vattn.integrations.hf import cache_config_for
 from vattn.sampling_params import SamplingParams
 
 # 256 bytes a token per buffer: 16 tokens per 4 KiB page, so a small budget is a few requests

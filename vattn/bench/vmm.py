@@ -23,7 +23,7 @@ import torch
 from vattn import _native
 from vattn.backends import HostBackend
 from vattn.bench.report import print_table, write_json
-from vattn.cache import VirtualKVCache
+from vattn.kv.virtual import VirtualKVCache
 from vattn.config import CacheConfig
 
 KiB, MiB = 1 << 10, 1 << 20

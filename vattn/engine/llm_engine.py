@@ -13,7 +13,7 @@ import torch
 
 from vattn import attention
 from vattn.backends import MapLimitError
-from vattn.cache import VirtualKVCache
+from vattn.kv.virtual import VirtualKVCache
 from vattn.engine.config import EngineConfig
 from vattn.engine.map_worker import MapWorker
 from vattn.engine.metrics import EngineStats
@@ -21,8 +21,8 @@ from vattn.engine.prefix_cache import PrefixCache
 from vattn.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from vattn.engine.sampler import sample
 from vattn.engine.scheduler import Scheduler, Work
-from vattn.hf import cache_config_for
-from vattn.paged import PagedKVCache
+from vattn.integrations.hf import cache_config_for
+from vattn.kv.paged import PagedKVCache
 from vattn.sampling_params import SamplingParams
 
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vattn.cache import SwappedSlot
+from vattn.kv.virtual import SwappedSlot
 from vattn.sampling_params import SamplingParams
 
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from vattn.backends import MapLimitError
-from vattn.slot_cache import SlotCache
+from vattn.kv.slots import SlotCache
 from vattn.engine.config import EngineConfig
 from vattn.engine.prefix_cache import PrefixCache
 from vattn.engine.request import Request, Sequence, Status

@@ -1,7 +1,7 @@
 """The paged baseline: a block pool and per-request block tables, as in vLLM.
 
 Each layer's K and V live in a pool of blocks of `block_size` tokens
-(`[num_blocks, block_size, H, D]`).  A slot's page groups (`vattn.slot_cache`)
+(`[num_blocks, block_size, H, D]`).  A slot's page groups (`vattn.kv.slots`)
 are its block table, so allocation, sharing by reference counts, deferred
 reclamation, swap and the whole cache interface the engine uses are the
 virtual cache's; only where the tokens lie differs.  A kernel that wants a
@@ -19,7 +19,7 @@ import torch
 
 from vattn.backends import Backend, get_backend
 from vattn.config import CacheConfig
-from vattn.slot_cache import SlotCache
+from vattn.kv.slots import SlotCache
 
 _CHUNK = 2 << 20  # the pool is mapped in pieces of this size
 

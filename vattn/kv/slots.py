@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vattn.config import CacheConfig
-from vattn.page_pool import PagePool
+from vattn.kv.pool import PagePool
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@
 Every buffer (one per layer and K/V, one per layer, K/V and head, or one in
 all, by the layout) is reserved up front for `max_batch` slots of
 `max_seq_len` tokens; page j of a slot in every buffer is one page group
-(`vattn.slot_cache`), mapped on demand by the VMM backend.  Kernels read a
+(`vattn.kv.slots`), mapped on demand by the VMM backend.  Kernels read a
 layer's K and V as ordinary strided tensors over the reservation.
 
 On the host the whole reservation is zero-backed: an address with no page
@@ -16,7 +16,7 @@ import torch
 
 from vattn.backends import Backend, MapLimitError, get_backend
 from vattn.config import CacheConfig
-from vattn.slot_cache import CacheStats, SlotCache, SwappedSlot
+from vattn.kv.slots import CacheStats, SlotCache, SwappedSlot
 
 __all__ = ["CacheStats", "SwappedSlot", "VirtualKVCache"]
 

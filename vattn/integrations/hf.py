@@ -13,7 +13,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from vattn.cache import VirtualKVCache
+from vattn.kv.virtual import VirtualKVCache
 from vattn.config import CacheConfig
 
 
