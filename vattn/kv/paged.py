@@ -25,6 +25,8 @@ _CHUNK = 2 << 20  # the pool is mapped in pieces of this size
 
 
 class PagedKVCache(SlotCache):
+    kind = "paged"  # rows_kv gathers through block tables
+
     def __init__(self, config: CacheConfig, block_size: int = 16, backend: Backend | None = None):
         """The geometry, slots and memory budget of `config`; its layout and
         page size give way to blocks of `block_size` tokens per layer."""

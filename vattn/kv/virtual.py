@@ -22,6 +22,8 @@ __all__ = ["CacheStats", "SwappedSlot", "VirtualKVCache"]
 
 
 class VirtualKVCache(SlotCache):
+    kind = "virtual"  # layer_kv hands kernels whole-buffer views
+
     def __init__(self, config: CacheConfig, backend: Backend | None = None):
         super().__init__(config)
         c = config
