@@ -9,14 +9,14 @@ from vattn import CacheConfig, PagedKVCache, VirtualKVCache
 GEOMETRY = dict(num_layers=2, num_kv_heads=3, head_dim=8, dtype=torch.float32)
 
 
-def make_cache(layout="per_layer", max_batch=4, max_seq_len=200, page_size=4096, pages=None, block_size=16, **kw):
+def make_cache(layout="per_layer", max_num_seqs=4, max_seq_len=200, page_size=4096, pages=None, block_size=16, **kw):
     """A small cache (layout "paged": the paged baseline with `block_size`); `pages` sets the
     memory budget in page groups (blocks), `kw` overrides the geometry."""
     paged = layout == "paged"
-    config = CacheConfig(**{**GEOMETRY, **kw}, max_batch=max_batch, max_seq_len=max_seq_len, page_size=page_size,
+    config = CacheConfig(**{**GEOMETRY, **kw}, max_num_seqs=max_num_seqs, max_seq_len=max_seq_len, page_size=page_size,
                          layout="per_layer" if paged else layout)
     if pages is not None:
-        config.memory_budget = pages * (block_size * config.kv_bytes_per_token if paged else config.page_group_bytes)
+        config.memory_budget = pages * (block_size * config.kv_bytes_per_token if paged else config.page_bytes)
     return PagedKVCache(config, block_size) if paged else VirtualKVCache(config)
 
 
@@ -41,12 +41,12 @@ def physical_bytes(cache: VirtualKVCache, group: int, buffer: int) -> torch.Tens
     """A page's bytes read through a second mapping of the pool's memfd."""
     size = cache.config.page_size
     page = buffer * cache.pool.num_pages + group
-    with mmap.mmap(cache._physical.fd, size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page * size) as m:
+    with mmap.mmap(cache.storage.physical.fd, size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page * size) as m:
         return torch.frombuffer(bytearray(m), dtype=torch.uint8)
 
 
 def state(cache: VirtualKVCache):
     """Everything a failed call must leave as it was."""
     return (list(cache.pool.refs), cache.pool.free_pages(), cache.pool.num_shared,
-            [(s.pages[:], s.tokens, s.written[:], s.shared_pages, s.idle_since) for s in cache._slots],
+            [(s.pages[:], s.capacity, s.written[:], s.shared_pages, s.idle_since) for s in cache._slots],
             cache.map_calls, cache.unmap_calls, sorted(cache._swapped), cache.stats())

@@ -7,10 +7,12 @@ import torch
 
 from vattn.bench import e2e
 from vattn.bench.report import median_figures
+from vattn.bench.shapes import SMOLLM2_135M
 from vattn.config import CacheConfig
 
 # SmolLM2-135M's geometry in float32, the engine's host layout: 46,080 bytes a token
-CACHE = CacheConfig(30, 3, 64, torch.float32, max_batch=32, max_seq_len=2048, page_size=8 << 10, layout="per_head")
+CACHE = CacheConfig(**SMOLLM2_135M.cache_fields(), dtype=torch.float32, max_num_seqs=32, max_seq_len=2048,
+                    page_size=8 << 10, layout="per_head")
 BUDGET = 1 << 30
 
 

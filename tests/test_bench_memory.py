@@ -26,9 +26,9 @@ def test_static_reservations_and_first_fit():
     assert [memory.reservation(p, 100, 2048) for p in memory.STATIC] == [2048, 128, 100]
     assert memory.reservation("orca_pow2", 1500, 1024) == 1024  # never past max_seq_len
     arena = [(6, 10), (0, 4)]
-    assert memory._first_fit(arena, 2, 12) == 4  # the hole between the two
-    assert memory._first_fit(arena, 3, 13) == 10  # after them
-    assert memory._first_fit(arena, 3, 12) is None
+    assert memory.first_fit(arena, 2, 12) == 4  # the hole between the two
+    assert memory.first_fit(arena, 3, 13) == 10  # after them
+    assert memory.first_fit(arena, 3, 12) is None
 
 
 def test_oracle_strands_memory_between_reservations():

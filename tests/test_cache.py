@@ -12,7 +12,7 @@ def test_geometry(layout):
     cache = make_cache(layout)
     c = cache.config
     K, V = cache.layer_kv(1)
-    assert K.shape == V.shape == (c.max_batch, c.max_seq_len, c.num_kv_heads, c.head_dim)
+    assert K.shape == V.shape == (c.max_num_seqs, c.max_seq_len, c.num_kv_heads, c.head_dim)
     assert K.stride()[-1] == 1 and K.dtype == c.dtype
     H, D = c.num_kv_heads, c.head_dim
     if layout == "interleaved":  # [B, S, L, 2, H, D] viewed at [:, :, l, kv]
@@ -48,20 +48,20 @@ def test_data_lands_in_the_physical_page(layout):
     slot = cache.allocate(100)
     fill(cache, slot, 100)
     c = cache.config
-    raw = cache._bytes[:, slot]
-    for j, group in enumerate(cache._slots[slot].pages):
+    raw = cache.storage.bytes[:, slot]
+    for j, group in enumerate(cache.block_table(slot)):
         for buffer in range(c.num_buffers):
             page = raw[buffer, j * c.page_size:(j + 1) * c.page_size]
             assert torch.equal(physical_bytes(cache, group, buffer), page)
-    assert physical_bytes(cache, cache._slots[slot].pages[0], 0).any()
+    assert physical_bytes(cache, cache.block_table(slot)[0], 0).any()
 
 
 def test_memory_is_committed_only_when_touched():
-    cache = make_cache(page_size=2 << 20, max_seq_len=4096, max_batch=8)
+    cache = make_cache(page_size=2 << 20, max_seq_len=4096, max_num_seqs=8)
     c = cache.config
     slots = [cache.allocate(4096) for _ in range(8)]
     st = cache.stats()
-    assert st.mapped_bytes == 8 * c.pages_per_slot * c.page_group_bytes and st.committed_bytes == 0
+    assert st.mapped_bytes == 8 * c.pages_per_slot * c.page_bytes and st.committed_bytes == 0
     fill(cache, slots[3], 1)
     # one OS page touched in each of the 2·L buffers
     assert cache.stats().committed_bytes == c.num_buffers * cache.backend.granularity
@@ -80,7 +80,7 @@ def test_mapping_grows_page_by_page(layout):
         assert cache.mapped_pages(slot) == c.pages_for(n)
         fill(cache, slot, 1, start=n - 1)
         st = cache.stats()
-        assert st.mapped_bytes - st.live_bytes < c.page_group_bytes
+        assert st.mapped_bytes - st.live_bytes < c.page_bytes
     assert cache.map_calls == c.pages_per_slot
 
 
@@ -132,7 +132,7 @@ def test_pressure_reclaims_idle_pages(layout):
     full = cache.allocate(c.max_seq_len)  # needs the other idle slot's pages
     assert full is not None and cache.unmap_calls > unmaps
     left = 2 * c.pages_for(half) - c.pages_per_slot  # only what was missing was reclaimed, from the tail
-    assert cache.stats().pages_free == 0 and cache.stats().pages_idle == left * c.num_buffers
+    assert cache.stats().pages_free == 0 and cache.stats().pages_idle == left
     assert not cache.can_allocate(c.max_seq_len) and cache.allocate(c.max_seq_len) is None
     cache.free(full)
     assert cache.can_allocate(c.max_seq_len)
@@ -176,7 +176,7 @@ def test_shared_pages_see_the_same_bytes(layout):
     assert b is not None
     full = n * c.token_bytes // c.page_size
     st = cache.stats()
-    assert st.pages_shared == full * c.num_buffers
+    assert st.pages_shared == full
     for layer, (k, v) in enumerate(data):
         kb, vb = cache.live_kv(b, layer)
         assert torch.equal(kb, k[:n]) and torch.equal(vb, v[:n])
@@ -224,16 +224,16 @@ def test_swap_round_trip(layout):
     data = fill(cache, slot, 140)
     extra = torch.randn(1, 10, 3, 8)
     cache.write(0, [slot], [140], extra, extra)  # layer 0 ahead of layer 1
-    raw = cache._bytes[:, slot, :150 * c.token_bytes].clone()
+    raw = cache.storage.bytes[:, slot, :150 * c.token_bytes].clone()
     free = cache.stats().pages_free
     swapped = cache.swap_out(slot)
-    assert cache.stats().pages_free == free + c.pages_for(160) * c.num_buffers
+    assert cache.stats().pages_free == free + c.pages_for(160)
     other = cache.allocate(50)  # someone else uses the memory meanwhile
     fill(cache, other, 50, seed=9)
     back = cache.swap_in(swapped)
     assert back is not None and back != other
-    assert cache.stats().pages_free == free - c.pages_for(50) * c.num_buffers
-    assert torch.equal(cache._bytes[:, back, :150 * c.token_bytes], raw)
+    assert cache.stats().pages_free == free - c.pages_for(50)
+    assert torch.equal(cache.storage.bytes[:, back, :150 * c.token_bytes], raw)
     assert cache.live_kv(back, 0)[0].shape[0] == 150 and cache.live_kv(back, 1)[0].shape[0] == 140
     assert torch.equal(cache.live_kv(back, 1)[1], data[1][1])
     with pytest.raises(ValueError, match="already swapped in"):
@@ -318,7 +318,7 @@ def test_slots_trade_contents(layout):
             assert torch.equal(k, data[src][layer][0][:n]) and torch.equal(v, data[src][layer][1][:n])
     c = cache.config
     # slot 0's old full pages are in slots 1 and 2; slot 1's moved to slot 0 alone
-    assert cache.stats().pages_shared == (n * c.token_bytes // c.page_size) * c.num_buffers
+    assert cache.stats().pages_shared == n * c.token_bytes // c.page_size
     cache.check()
 
 
@@ -347,7 +347,7 @@ def test_allocate_and_fork_a_given_slot(layout):
 def test_trade_with_every_page_in_use(layout):
     """The pages a reorder lets go of pay for the tail pages it needs."""
     c = make_cache(layout).config
-    cache = make_cache(layout, max_batch=2, pages=2 * c.pages_for(150))
+    cache = make_cache(layout, max_num_seqs=2, pages=2 * c.pages_for(150))
     a, b = cache.allocate(150), cache.allocate(150)
     da, db = fill(cache, a, 150, seed=1), fill(cache, b, 150, seed=2)
     assert cache.stats().pages_free == 0
@@ -366,7 +366,7 @@ def test_an_idle_slot_resumes_its_previous_tokens(layout):
     assert cache.retained(slot) == kept >= 150
     assert cache.available_pages() == cache.pool.num_pages  # free + idle: everything
     calls = cache.map_calls
-    assert cache.allocate(180, slot=slot, keep=100) == slot
+    assert cache.allocate(180, slot=slot, resume=100) == slot
     assert cache.length(slot) == 100 and cache.capacity(slot) == 180
     k, v = cache.live_kv(slot, 1)
     assert torch.equal(k, data[1][0][:100]) and torch.equal(v, data[1][1][:100])
@@ -407,7 +407,7 @@ def test_shrink_unmaps_what_a_reused_slot_holds_past_its_size(layout):
     assert cache.shrink([slot]) == 0
     assert torch.equal(cache.live_kv(slot, 0)[0], data[0][0])
     st = cache.stats()
-    assert st.pages_free == st.pages_total - c.pages_for(30) * c.num_buffers
+    assert st.pages_free == st.pages_total - c.pages_for(30)
     cache.check()
 
 

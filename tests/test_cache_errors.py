@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from vattn import CacheConfig
+from vattn import CacheConfig, VirtualKVCache
 from conftest import GEOMETRY, fill, make_cache, state
 
 
@@ -70,10 +70,10 @@ MISUSE = {
     "swap in twice": (lambda c: (c.swap_in(c.swapped), c.swap_in(c.swapped)), "already swapped in"),
     "swap in from another cache": (lambda c: c.swap_in(swapped_elsewhere()), "not swapped out of this cache"),
     "discard from another cache": (lambda c: c.discard(swapped_elsewhere()), "not swapped out of this cache"),
-    "keep without a slot": (lambda c: c.allocate(20, keep=5), "keep needs the idle slot"),
-    "keep more than retained": (lambda c: c.allocate(150, slot=c.idle, keep=150), "still maps"),
-    "keep more than allocated": (lambda c: c.allocate(3, slot=c.idle, keep=4), "allocated for 3"),
-    "keep a negative count": (lambda c: c.allocate(3, slot=c.idle, keep=-1), "keep=-1"),
+    "resume without a slot": (lambda c: c.allocate(20, resume=5), "resume needs the idle slot"),
+    "resume more than retained": (lambda c: c.allocate(150, slot=c.idle, resume=150), "still maps"),
+    "resume more than allocated": (lambda c: c.allocate(3, slot=c.idle, resume=4), "allocated for 3"),
+    "resume a negative count": (lambda c: c.allocate(3, slot=c.idle, resume=-1), "resume=-1"),
     "retained of an active slot": (lambda c: c.retained(c.a), "already allocated"),
     "shrink an idle slot": (lambda c: c.shrink([c.a, c.idle]), "not allocated"),
 }
@@ -111,17 +111,23 @@ def test_queries_never_raise(cache):
 @pytest.mark.parametrize("field, value, message", [
     ("num_layers", 0, "num_layers must be a positive int"),
     ("head_dim", -8, "head_dim"),
-    ("max_batch", 2.0, "max_batch"),
+    ("max_num_seqs", 2.0, "max_num_seqs"),
     ("max_seq_len", True, "max_seq_len"),
     ("layout", "paged", "layout must be one of"),
     ("dtype", "float16", "dtype must be a torch.dtype"),
-    ("memory_budget", 1000, "smaller than one page group"),
+    ("memory_budget", 0, "memory_budget must be a positive int"),
     ("gpu_memory_utilization", 1.5, "gpu_memory_utilization must be in"),
     ("device", "gpu", "device must name a torch device"),
 ])
 def test_bad_config(field, value, message):
     with pytest.raises(ValueError, match=message):
         CacheConfig(**{**GEOMETRY, field: value}, page_size=4096)
+
+
+def test_a_budget_below_one_page_is_refused_when_the_cache_is_built():
+    config = CacheConfig(**GEOMETRY, page_size=4096, memory_budget=1000)  # a plain record: checked where it is used
+    with pytest.raises(ValueError, match="smaller than one page"):
+        VirtualKVCache(config)
 
 
 def test_bad_block_size():

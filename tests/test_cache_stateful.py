@@ -18,7 +18,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.cache = make_cache(self.layout, max_batch=4, max_seq_len=MAX_SEQ, pages=self.budget,
+        self.cache = make_cache(self.layout, max_num_seqs=4, max_seq_len=MAX_SEQ, pages=self.budget,
                                 block_size=self.block_size, **self.geometry)
         self.c = self.cache.config
         self.model: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # slot -> (K, V) per layer
@@ -57,7 +57,7 @@ class CacheMachine(RuleBasedStateMachine):
         written = self.left[slot][0][0].shape[0]
         most = min(n, written, self.cache.retained(slot))
         keep = data.draw(st.sampled_from([most, most // 2, 0]))
-        if self.cache.allocate(n, slot=slot, keep=keep) is None:
+        if self.cache.allocate(n, slot=slot, resume=keep) is None:
             return
         event("resume", "kept tokens" if keep else "kept nothing")
         self.model[slot] = [(k[:keep].clone(), v[:keep].clone()) for k, v in self.left.pop(slot)]
@@ -190,9 +190,9 @@ class CacheMachine(RuleBasedStateMachine):
         """Each slot's first page reads the same through the slot and through the memfd."""
         size = self.c.page_size
         for slot in self.model:
-            pages = self.cache._slots[slot].pages
+            pages = self.cache.block_table(slot)
             for buffer in (0, self.c.num_buffers - 1):
-                view = self.cache._bytes[buffer, slot, :size]
+                view = self.cache.storage.bytes[buffer, slot, :size]
                 assert torch.equal(view, physical_bytes(self.cache, pages[0], buffer))
 
 
@@ -207,7 +207,7 @@ class PagedMachine(CacheMachine):
         for slot, layers in self.model.items():
             if len(layers[0][0]):
                 row = self.cache.block_table(slot)[0] * self.block_size
-                assert torch.equal(self.cache._pools[0][row], layers[0][0][0])
+                assert torch.equal(self.cache.storage.pools[0][row], layers[0][0][0])
 
 
 class InterleavedMachine(CacheMachine):

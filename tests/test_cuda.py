@@ -10,6 +10,7 @@ from vattn.attention import StepBatch, attention
 from vattn.backends import CudaBackend, CudaUnavailable, get_backend
 from vattn.backends.cuda import unavailable
 from vattn.bench.soak import pool_is_whole
+from vattn.config import resolve
 from vattn.engine import LLMEngine
 from vattn.integrations.hf import VAttnCache
 
@@ -20,7 +21,7 @@ cuda = pytest.mark.skipif(NO_CUDA is not None, reason=f"needs a CUDA GPU: {NO_CU
 @pytest.mark.skipif(NO_CUDA is None, reason="checks the refusal where CUDA is absent; this machine has a GPU")
 def test_without_cuda_asking_for_it_is_a_clear_error():
     for ask in (lambda: get_backend("cuda"), lambda: CudaBackend("cuda:0"),
-                lambda: CacheConfig(2, 2, 8, device="cuda"),
+                lambda: VirtualKVCache(CacheConfig(2, 2, 8, device="cuda")),
                 lambda: VirtualKVCache(CacheConfig(2, 2, 8, device="cuda", page_size=2 << 20, layout="interleaved",
                                                    memory_budget=2 << 20))):
         with pytest.raises(CudaUnavailable, match="the CUDA backend cannot run here: (no CUDA|cuda-python|torch)"):
@@ -56,8 +57,8 @@ def test_unmap_waits_for_the_kernels_reading_the_page():
 
 @cuda
 def test_config_defaults_on_cuda():
-    config = CacheConfig(30, 3, 64, torch.bfloat16, max_batch=4, max_seq_len=1024, device="cuda")
     backend = get_backend("cuda")
+    config = resolve(CacheConfig(30, 3, 64, torch.bfloat16, max_num_seqs=4, max_seq_len=1024, device="cuda"), backend)
     assert config.layout == "interleaved" and config.page_size == backend.granularity
     free, _ = backend.memory()
     assert config.memory_budget <= 0.9 * free
@@ -65,7 +66,7 @@ def test_config_defaults_on_cuda():
 
 @cuda
 def test_cache_on_cuda_writes_shares_and_swaps():
-    c = CacheConfig(2, 3, 64, torch.bfloat16, max_batch=4, max_seq_len=2048, device="cuda", memory_budget=None)
+    c = CacheConfig(2, 3, 64, torch.bfloat16, max_num_seqs=4, max_seq_len=2048, device="cuda", memory_budget=None)
     cache = VirtualKVCache(c)
     slot = cache.allocate(300)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -89,7 +90,7 @@ def test_attention_on_cuda_matches_the_host():
     """The engine's attention, one decode token for each of three requests and a prefill chunk."""
     outs = []
     for device in ("cpu", "cuda"):
-        c = CacheConfig(1, 2, 64, torch.bfloat16, max_batch=4, max_seq_len=512, device=device,
+        c = CacheConfig(1, 2, 64, torch.bfloat16, max_num_seqs=4, max_seq_len=512, device=device,
                         layout="per_head" if device == "cpu" else None, page_size=8 << 10 if device == "cpu" else None)
         cache = VirtualKVCache(c)
         g = torch.Generator().manual_seed(0)
@@ -167,7 +168,7 @@ def test_hf_cache_on_cuda_equals_dynamic_cache(mode):
     args = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, min_new_tokens=30,
                 pad_token_id=0, **mode)
     expected = model.generate(**args)
-    cache = VAttnCache.from_model(model, max_batch=4, max_seq_len=128)
+    cache = VAttnCache.from_model(model, max_num_seqs=4, max_seq_len=128)
     assert torch.equal(model.generate(**args, **{CACHE_KEYWORD: cache}), expected)
     assert cache.stats().map_calls > 0
     cache.kv.check()
@@ -217,7 +218,7 @@ for layout, budget, mode in [("per_head", None, "recompute"), ("per_layer", None
                              ("interleaved", None, "recompute"), ("per_layer", 4 * 4 * 4096, "swap")]:
     engine = LLMEngine(model, page_size=4096, max_num_seqs=4, max_num_batched_tokens=32, max_seq_len=160,
                        layout=layout, memory_budget=budget, preemption_mode=mode)
-    assert not engine.cache._reservation.zero_backed
+    assert not engine.cache.storage.reservation.zero_backed
     ids = [engine.add_request(p, SamplingParams(max_tokens=40, temperature=0)) for p in prompts()]
     done = {o.request_id: o.outputs[0].token_ids for o in engine.stream() if o.finished}
     assert [done[i] for i in ids] == reference, layout
@@ -226,7 +227,7 @@ for layout, budget, mode in [("per_head", None, "recompute"), ("per_layer", None
 ids = torch.tensor([prompts()[4]])
 args = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, num_beams=3, do_sample=False,
             pad_token_id=0)
-cache = VAttnCache.from_model(model, max_batch=4, max_seq_len=128, page_size=4096)
+cache = VAttnCache.from_model(model, max_num_seqs=4, max_seq_len=128, page_size=4096)
 assert torch.equal(model.generate(**args, **{CACHE_KEYWORD: cache}), model.generate(**args))
 print("OK")
 """
@@ -275,10 +276,10 @@ def test_flash_path_keeps_to_the_kernel_contract(arch, monkeypatch):
     """The engine's FlashAttention path (in-kernel append, `cache_seqlens`,
     `cache_batch_idx`, the window) run on the host against the kernel's
     documented contract: outputs equal HF generate()."""
-    from vattn import attention as attn
+    from vattn.attention import flash, registry
 
-    monkeypatch.setattr(attn, "flash_attn_with_kvcache", flash_reference)
-    monkeypatch.setattr(attn, "_flash_reads", lambda cache, q: hasattr(cache, "layer_kv"))
+    monkeypatch.setattr(flash, "flash_attn_with_kvcache", flash_reference)
+    monkeypatch.setattr(registry, "pick", lambda device_type, dtype, cache_kind: registry.KERNELS["flash"])
     model = tiny_model(arch, "sdpa")
     reference = [hf_greedy(model, p, 40) for p in prompts()]
     engine = LLMEngine(model, page_size=4096, max_num_seqs=4, max_num_batched_tokens=32, max_seq_len=160,

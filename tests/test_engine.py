@@ -86,7 +86,7 @@ def test_paged_baseline_equals_hf_generate(tiny, block_size):
     engine = engine_for(model, kv_cache="paged", block_size=block_size)
     assert isinstance(engine.cache, PagedKVCache) and engine.cache.block_size == block_size
     assert run(engine, [(p, greedy()) for p in prompts()]) == [[r] for r in reference]
-    assert engine.cache.map_calls == 0  # blocks enter block tables; nothing is mapped
+    assert engine.cache.map_calls > 0  # block-table updates, counted as the virtual cache counts its maps
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -179,7 +179,7 @@ def test_prefix_cache_skips_the_shared_prompt(cache, hit):
     assert outs[-1].request_id == rid and outs[-1].outputs[0].token_ids == expected[1]
     assert outs[-1].metrics.num_cached_tokens == hit  # whole blocks: 64 tokens a page, or 16 a block
     assert sum(engine.stats.tokens) - before == len(system + b) - hit + 11  # prefill of the rest, then decode
-    assert engine.prefix.hit_tokens == hit and pool_is_whole(engine)
+    assert engine.scheduler.prefix_hit_tokens == hit and pool_is_whole(engine)
 
 
 def test_prefix_cache_hits_a_running_request_and_respects_salts():

@@ -12,8 +12,9 @@ def test_tokens_land_in_the_blocks_the_table_names():
     assert cache.block_table(a) == [0, 1, 2] and cache.block_table(b) == [3, 4]
     for t in (0, 15, 16, 39):
         row = cache.block_table(a)[t // 16] * 16 + t % 16
-        assert torch.equal(cache._pools[2][row], data[1][0][t])  # layer 1's K
-    assert cache.map_calls == 0 and cache.config.page_size == 16 * cache.config.token_bytes
+        assert torch.equal(cache.storage.pools[2][row], data[1][0][t])  # layer 1's K
+    assert cache.map_calls == 2  # a table update per allocation, counted as the virtual cache counts maps
+    assert cache.config.page_size == 16 * cache.config.token_bytes
 
 
 def test_gather_reads_live_rows_and_zeros_past_a_table():
@@ -57,4 +58,4 @@ def test_swap_round_trip_and_trim():
     for layer in range(2):
         assert torch.equal(cache.live_kv(back, layer)[1], data[layer][1])
     cache.free(back)
-    assert cache.trim() == 7 * cache.config.num_buffers and cache.stats().pages_free == cache.stats().pages_total
+    assert cache.trim() == 7 and cache.stats().pages_free == cache.stats().pages_total

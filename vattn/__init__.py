@@ -1,13 +1,11 @@
 """vattn: a KV cache in virtually contiguous memory with physical pages mapped on demand."""
 from vattn.backends import Backend, get_backend
-from vattn.kv.virtual import CacheStats, SwappedSlot, VirtualKVCache
 from vattn.config import CacheConfig
-from vattn.kv.pool import PagePool
-from vattn.kv.paged import PagedKVCache
+from vattn.kv import CacheStats, KVCacheManager, PagedKVCache, PagePool, SwappedSlot, VirtualKVCache
 from vattn.sampling_params import SamplingParams
 
-__all__ = ["LLM", "Backend", "CacheConfig", "CacheStats", "EngineConfig", "LLMEngine", "PagePool", "PagedKVCache",
-           "SamplingParams", "SwappedSlot", "VAttnCache", "VirtualKVCache", "get_backend"]
+__all__ = ["LLM", "Backend", "CacheConfig", "CacheStats", "EngineConfig", "KVCacheManager", "LLMEngine", "PagePool",
+           "PagedKVCache", "SamplingParams", "SwappedSlot", "VAttnCache", "VirtualKVCache", "get_backend"]
 __version__ = "0.1.0"
 
 

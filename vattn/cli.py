@@ -11,9 +11,8 @@ def info(args) -> None:
     import vattn
     from vattn.backends import get_backend
     from vattn.backends.cuda import unavailable
-    from vattn.bench.report import print_table
-    from vattn.config import CacheConfig
-    from vattn.engine import EngineConfig
+    from vattn.report import print_table
+    from vattn.config import DEFAULTS
 
     backend = get_backend("cpu")
     why = unavailable()
@@ -22,7 +21,6 @@ def info(args) -> None:
         cuda = f"ready: {torch.cuda.get_device_name(gpu.device)}, pages of {gpu.granularity >> 20} MiB"
     else:
         cuda = f"unavailable: {why}"
-    engine, plain = EngineConfig().cache_settings(torch.device("cpu")), CacheConfig(1, 1, 1)
     with open("/proc/sys/vm/max_map_count") as f:
         max_maps = int(f.read())
     with open("/proc/self/maps") as f:
@@ -31,8 +29,8 @@ def info(args) -> None:
         ["vattn", vattn.__version__],
         ["host backend", f"{backend.name} (mmap + memfd)"],
         ["OS page size / granularity", f"{backend.granularity} B"],
-        ["default page size, layout (engine, on the host)", f"{_size(engine['page_size'])}, {engine['layout']}"],
-        ["default page size, layout (CacheConfig, on the host)", f"{_size(plain.page_size)}, {plain.layout}"],
+        ["default page size, layout (host)", f"{_size(DEFAULTS['cpu']['page_size'])}, {DEFAULTS['cpu']['layout']}"],
+        ["default page size, layout (CUDA)", f"the driver's granularity, {DEFAULTS['cuda']['layout']}"],
         ["CUDA backend", cuda],
         ["vm.max_map_count", max_maps],
         ["mappings in this process", maps_now],

@@ -3,8 +3,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.panel import Panel
 
-from vattn.bench.engine import figure_rows, serve, workload
-from vattn.bench.report import print_table, write_json
+from vattn.report import print_table, write_json
+from vattn.workload import figure_rows, serve, workload
 
 
 def run(num_prompts: int, max_tokens: int, show: int, json_path: str | None = None) -> dict:

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from vattn.bench.report import print_table
+from vattn.report import print_table
 
 CACHES = ("vattn", "dynamic", "static")
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
@@ -21,7 +21,7 @@ def make_cache(kind: str, model, batch: int, max_seq_len: int):
     from vattn.integrations.hf import VAttnCache
 
     if kind == "vattn":
-        return VAttnCache.from_model(model, max_batch=batch, max_seq_len=max_seq_len)
+        return VAttnCache.from_model(model, max_num_seqs=batch, max_seq_len=max_seq_len)
     if kind == "dynamic":
         return DynamicCache(config=model.config)
     if kind == "static":
@@ -51,7 +51,7 @@ def run(prompt: str, max_new_tokens: int, num_beams: int, cache_kind: str) -> No
     from vattn.integrations.hf import VAttnCache
     from vattn.models import load_smollm2
 
-    model, tokenizer = load_smollm2(attn_implementation="vattn_sdpa")
+    model, tokenizer = load_smollm2()
     chat = [{"role": "user", "content": prompt}]
     inputs = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     prompt_len = inputs["input_ids"].shape[1]

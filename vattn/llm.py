@@ -39,7 +39,7 @@ class LLM:
                 self.engine.abort(request_id)
             raise
         done = {}
-        with _progress(len(ids), use_tqdm) as advance:
+        with progress_bar(len(ids), use_tqdm) as advance:
             for out in self.engine.stream():
                 if out.finished:
                     done[out.request_id] = out
@@ -61,7 +61,7 @@ def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 
 @contextmanager
-def _progress(total: int, enabled: bool):
+def progress_bar(total: int, enabled: bool):
     """A progress bar over finished requests, with output tokens/s; yields `advance(output)`."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -28,7 +28,8 @@ class CudaUnavailable(RuntimeError):
     """The CUDA backend cannot run here (no cuda-python, driver, device or CUDA torch)."""
 
 
-def _driver():
+def cuda_driver():
+    """cuda-python's `cuda.bindings.driver` module."""
     try:
         from cuda.bindings import driver
     except ImportError:
@@ -39,7 +40,7 @@ def _driver():
 def unavailable() -> str | None:
     """Why the CUDA backend cannot run here, or None if it can."""
     try:
-        driver = _driver()
+        driver = cuda_driver()
     except CudaUnavailable as e:
         return str(e)
     try:
@@ -57,15 +58,15 @@ def unavailable() -> str | None:
 
 
 def _name(err) -> str:
-    _, name = _driver().cuGetErrorName(err)
+    _, name = cuda_driver().cuGetErrorName(err)
     return name.decode() if isinstance(name, bytes) else str(err)
 
 
-def _check(result, what: str):
+def check(result, what: str):
     """The value(s) of a cuda-python call, or a clear error."""
     err, *values = result
-    if err != _driver().CUresult.CUDA_SUCCESS:
-        kind = MemoryError if err == _driver().CUresult.CUDA_ERROR_OUT_OF_MEMORY else RuntimeError
+    if err != cuda_driver().CUresult.CUDA_SUCCESS:
+        kind = MemoryError if err == cuda_driver().CUresult.CUDA_ERROR_OUT_OF_MEMORY else RuntimeError
         raise kind(f"{what} failed: {_name(err)}")
     return values[0] if len(values) == 1 else values
 
@@ -96,7 +97,7 @@ class CudaPool:
     def __del__(self):
         if sys.is_finalizing():  # the process is going: so is the memory
             return
-        driver = _driver()
+        driver = cuda_driver()
         for h in self.handles:
             driver.cuMemRelease(h)
         self.handles = []
@@ -113,7 +114,7 @@ class CudaReservation:
 
     def __init__(self, backend: "CudaBackend", nbytes: int):
         self.backend, self.nbytes, self.addr = backend, nbytes, None
-        self.addr = int(_check(_driver().cuMemAddressReserve(nbytes, backend.granularity, 0, 0),
+        self.addr = int(check(cuda_driver().cuMemAddressReserve(nbytes, backend.granularity, 0, 0),
                                "cuMemAddressReserve"))
         self.mapped: dict[int, int] = {}  # offset -> page size, as the cache sees it
         self.pending: deque[tuple[torch.cuda.Event, dict[int, int]]] = deque()  # unmaps waiting for the GPU
@@ -134,9 +135,9 @@ class CudaReservation:
                 self._unmap_now(offsets)
 
     def _unmap_now(self, pages: dict[int, int]) -> None:
-        driver = _driver()
+        driver = cuda_driver()
         for offset, size in pages.items():
-            _check(driver.cuMemUnmap(self.addr + offset, size), "cuMemUnmap")
+            check(driver.cuMemUnmap(self.addr + offset, size), "cuMemUnmap")
 
     def close(self) -> None:
         """Wait for the compute stream, unmap everything, free the range."""
@@ -149,7 +150,7 @@ class CudaReservation:
                 self.settle()
                 self._unmap_now(self.mapped)
                 self.mapped.clear()
-            _check(_driver().cuMemAddressFree(self.addr, self.nbytes), "cuMemAddressFree")
+            check(cuda_driver().cuMemAddressFree(self.addr, self.nbytes), "cuMemAddressFree")
         finally:
             self.addr = None
 
@@ -171,36 +172,36 @@ class CudaBackend(Backend):
         if not 0 <= index < torch.cuda.device_count():
             raise ValueError(f"no CUDA device {index} (this machine has {torch.cuda.device_count()})")
         self.device = torch.device("cuda", index)
-        driver = _driver()
+        driver = cuda_driver()
         torch.cuda.init()
-        self._dev = _check(driver.cuDeviceGet(index), "cuDeviceGet")
-        self._ctx = _check(driver.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain")
+        self._dev = check(driver.cuDeviceGet(index), "cuDeviceGet")
+        self._ctx = check(driver.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain")
         self.activate()
         prop = driver.CUmemAllocationProp()
         prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         prop.location.id = index
-        self._prop = prop
-        self.granularity = int(_check(driver.cuMemGetAllocationGranularity(
+        self.allocation_prop = prop  # what cuMemCreate makes: pinned memory on this device
+        self.granularity = int(check(driver.cuMemGetAllocationGranularity(
             prop, driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM),
             "cuMemGetAllocationGranularity"))
         access = driver.CUmemAccessDesc()
         access.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         access.location.id = index
         access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        self._access = [access]
+        self.access_descs = [access]  # what cuMemSetAccess grants: this device reads and writes
         self.stream = torch.cuda.current_stream(self.device)  # the compute stream unmaps wait for
 
     def __del__(self):
         if not sys.is_finalizing() and hasattr(self, "_ctx"):
-            _driver().cuDevicePrimaryCtxRelease(self._dev)
+            cuda_driver().cuDevicePrimaryCtxRelease(self._dev)
 
     def activate(self) -> None:
         """Make the device's primary context current on a thread that has
         none (the mapping worker); one torch made current is left alone."""
-        driver = _driver()
-        if int(_check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")) == 0:
-            _check(driver.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        driver = cuda_driver()
+        if int(check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")) == 0:
+            check(driver.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
 
     def reserve(self, nbytes: int, zero_backed: bool = False) -> CudaReservation:
         if zero_backed:
@@ -216,10 +217,10 @@ class CudaBackend(Backend):
         if num_pages <= 0:
             raise ValueError(f"a pool needs at least one page, got {num_pages}")
         self.activate()
-        driver = _driver()
+        driver = cuda_driver()
         pool = CudaPool([], page_size)
         for _ in range(num_pages):  # on failure, `pool` going away releases what was made
-            pool.handles.append(_check(driver.cuMemCreate(page_size, self._prop, 0),
+            pool.handles.append(check(driver.cuMemCreate(page_size, self.allocation_prop, 0),
                                        f"cuMemCreate of page {pool.num_pages + 1} of {num_pages} "
                                        f"({page_size} bytes each)"))
         self._zero(pool)
@@ -237,17 +238,17 @@ class CudaBackend(Backend):
     def map(self, reservation: CudaReservation, pool: CudaPool, offsets: Sequence[int],
             pages: Sequence[int]) -> None:
         self.activate()
-        driver, size, base = _driver(), pool.page_size, reservation.addr
+        driver, size, base = cuda_driver(), pool.page_size, reservation.addr
         with reservation.lock:
             offsets, pages = self._checked(reservation, pool, offsets, pages)
             reservation.settle(offsets)
             done = []
             try:
                 for o, p in zip(offsets, pages):
-                    _check(driver.cuMemMap(base + o, size, 0, pool.handles[p], 0), "cuMemMap")
+                    check(driver.cuMemMap(base + o, size, 0, pool.handles[p], 0), "cuMemMap")
                     done.append(o)
                 for start, length in _runs(sorted(offsets), size):
-                    _check(driver.cuMemSetAccess(base + start, length, self._access, 1), "cuMemSetAccess")
+                    check(driver.cuMemSetAccess(base + start, length, self.access_descs, 1), "cuMemSetAccess")
             except BaseException:
                 for o in done:  # nothing has read them yet
                     driver.cuMemUnmap(base + o, size)
@@ -278,7 +279,7 @@ class CudaBackend(Backend):
     def memory(self) -> tuple[int, int]:
         """(free, total) bytes of device memory."""
         self.activate()
-        free, total = _check(_driver().cuMemGetInfo(), "cuMemGetInfo")
+        free, total = check(cuda_driver().cuMemGetInfo(), "cuMemGetInfo")
         return int(free), int(total)
 
     def _checked(self, reservation, pool, offsets, pages) -> tuple[list[int], list[int]]:

@@ -47,3 +47,10 @@ class HostBackend(Backend):
 
     def committed_bytes(self, pool: HostPool) -> int:
         return pool.file.committed()
+
+    def raw_map_loop(self, reservation, pool: HostPool, offsets: Sequence[int],
+                     pages: Sequence[int]) -> tuple[float, float]:
+        """(map ns, unmap ns) of the syscalls `map` and `unmap` make, one page a call in a plain C
+        loop: the floor `vattn bench vmm` holds the library's own paths against."""
+        size = pool.page_size
+        return _native.raw_map_loop(reservation, pool.file, size, offsets, [p * size for p in pages])

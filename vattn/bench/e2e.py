@@ -31,9 +31,10 @@ from pathlib import Path
 import torch
 
 from vattn.bench import peers
-from vattn.bench.report import console, median_figures, print_table, write_json
+from vattn.bench.report import median_figures
 from vattn.engine.metrics import latency_report
 from vattn.engine.request import CompletionOutput, RequestMetrics, RequestOutput
+from vattn.report import console, print_table, write_json
 
 SYSTEMS = ("vattn", "paged_16", "vllm_cpu", "hf_continuous_batching", "hf_static")
 WORKLOADS = {"sharegpt": dict(num_prompts=48, max_tokens=128), "long": dict(num_prompts=32, max_tokens=256)}
@@ -176,7 +177,7 @@ def run(json_path: str | None, plot_dir: str | None, workload: str = "sharegpt",
         rounds: int = 3, systems: list[str] = SYSTEMS, kv_budget: int | None = None,
         log_dir: str | None = None) -> dict:
     from vattn.engine import EngineConfig
-    from vattn.integrations.hf import cache_config_for
+    from vattn.config import CacheConfig, resolve
     from vattn.models import ENGINE_DTYPE, load_smollm2
 
     if rounds < 1:
@@ -184,8 +185,8 @@ def run(json_path: str | None, plot_dir: str | None, workload: str = "sharegpt",
     sizes = WORKLOADS[workload] | {k: v for k, v in dict(num_prompts=num_prompts, max_tokens=max_tokens).items() if v}
     model, tokenizer = load_smollm2(dtype=ENGINE_DTYPE)
     engine = EngineConfig()
-    cache = cache_config_for(model, **engine.cache_settings(torch.device("cpu")))
-    budget = kv_budget or cache.num_page_groups * cache.page_group_bytes  # the engine's own default
+    cache = resolve(CacheConfig.from_model(model, **engine.cache_settings()))
+    budget = kv_budget or cache.num_pages * cache.page_bytes  # the engine's own default
     reqs = requests(tokenizer, workload, **sizes)
     del model
     systems = list(systems)

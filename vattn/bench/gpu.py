@@ -15,13 +15,10 @@ from pathlib import Path
 
 import torch
 
-from vattn.bench.report import console, print_table, write_json
+from vattn.bench.shapes import SMOLLM2_135M_CONFIG
+from vattn.report import console, print_table, write_json
 
 TESTS = ["tests/test_backend.py", "tests/test_cuda.py"]
-# SmolLM2-135M-Instruct's architecture, for a run without its weights
-SMOLLM2_ARCH = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
-                    rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
 KERNEL_POINTS = dict(batches=[8, 32], contexts=[2048, 8192], dtypes=["bfloat16"])
 
 
@@ -60,7 +57,7 @@ def smollm2_on_gpu() -> tuple:
         console.print(f"[yellow]SmolLM2's weights cannot be loaded here ({e}); running its architecture with "
                       f"random weights[/]")
         torch.manual_seed(0)
-        model, tokenizer = LlamaForCausalLM(LlamaConfig(**SMOLLM2_ARCH)).to(torch.bfloat16).eval(), None
+        model, tokenizer = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M_CONFIG)).to(torch.bfloat16).eval(), None
         what = "SmolLM2-135M architecture, random weights"
     return model.to("cuda"), tokenizer, what
 
@@ -69,7 +66,7 @@ def prompts_for(tokenizer, num_prompts: int, max_tokens: int) -> tuple[list, lis
     """ShareGPT prompts when the tokenizer and data set are here, else random
     tokens with ShareGPT-like lengths (answers then run to `max_tokens`)."""
     from vattn import SamplingParams
-    from vattn.bench.engine import workload
+    from vattn.workload import workload
 
     if tokenizer is not None:
         try:
@@ -79,7 +76,7 @@ def prompts_for(tokenizer, num_prompts: int, max_tokens: int) -> tuple[list, lis
             console.print(f"[yellow]no ShareGPT here ({e}); random prompts[/]")
     rng = random.Random(0)
     lengths = [min(1024, max(4, int(rng.lognormvariate(4.5, 1.0)))) for _ in range(num_prompts)]
-    prompts = [[rng.randrange(3, SMOLLM2_ARCH["vocab_size"]) for _ in range(n)] for n in lengths]
+    prompts = [[rng.randrange(3, SMOLLM2_135M_CONFIG["vocab_size"]) for _ in range(n)] for n in lengths]
     params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True) for _ in prompts]
     return prompts, params, "random tokens, ShareGPT-like lengths"
 
@@ -87,7 +84,7 @@ def prompts_for(tokenizer, num_prompts: int, max_tokens: int) -> tuple[list, lis
 def engine_run(num_prompts: int, max_tokens: int) -> dict:
     """The same requests through the engine on the virtual and the paged cache."""
     from vattn import LLM
-    from vattn.bench.engine import serve
+    from vattn.workload import serve
 
     model, tokenizer, what = smollm2_on_gpu()
     prompts, params, source = prompts_for(tokenizer, num_prompts, max_tokens)

@@ -6,23 +6,41 @@ streamer hook, so prefill is left out); KV bytes are what each cache holds
 after the last token (VAttnCache: mapped pages) against the bytes of the
 tokens stored.  Beam reorder: 4 rows at 1024 tokens of context, each step
 appends a token and reorders with a random beam index, as beam search does;
-the reorder alone is timed.
+the reorder alone is timed.  `--attn vattn_sdpa` runs every cache on
+`sdpa_same_kernel`, registered here.
 """
 import random
 import statistics
 import time
 
 import torch
+from transformers import AttentionInterface
 from transformers.generation.streamers import BaseStreamer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from vattn.bench.report import console, print_table, write_json
 from vattn.generate import CACHES, kv_bytes, make_cache
+from vattn.report import console, print_table, write_json
 
 PROMPTS = [
     "Explain why the sky is blue.", "Write a haiku about autumn.", "What is a hash table?",
     "Give me three tips for learning to cook.", "Summarise the plot of Hamlet.", "How do vaccines work?",
     "Describe a good morning routine.", "What causes the seasons on Earth?",
 ]
+
+
+def sdpa_same_kernel(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention, except that a single decode token with
+    grouped KV heads always takes the packed-GQA kernel.  transformers picks it
+    only when a mask is present and otherwise asks torch for `enable_gqa`,
+    several times slower on CPU in bfloat16, so the kernel would depend on whether the
+    cache makes a mask (StaticCache does) rather than on the work.  An all-true
+    mask changes no result."""
+    if attention_mask is None and query.shape[2] == 1 and query.shape[1] != key.shape[1]:
+        attention_mask = torch.ones(1, 1, 1, key.shape[2], dtype=torch.bool, device=query.device)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register("vattn_sdpa", sdpa_same_kernel)  # `vattn bench hf --attn vattn_sdpa`
 
 
 class StepClock(BaseStreamer):
@@ -80,7 +98,6 @@ def beam_reorder_ms(model, kind: str, context: int = 1024, beams: int = 4, steps
 
 
 def run(json_path: str | None = None, batches=(1, 8), new_tokens=(512, 2048), attn: str = "sdpa") -> dict:
-    import vattn.integrations.hf  # noqa: F401  (registers "vattn_sdpa")
     from vattn.models import load_smollm2
 
     model, tokenizer = load_smollm2(attn_implementation=attn)

@@ -19,7 +19,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig, StoppingCri
 from vattn.bench.hf import StepClock
 from vattn.engine.metrics import latency_report
 from vattn.engine.request import CompletionOutput, RequestMetrics, RequestOutput
-from vattn.llm import _progress
+from vattn.llm import progress_bar
 from vattn.sampling_params import SamplingParams
 
 
@@ -44,7 +44,7 @@ def serve_continuous_batching(model, prompts: list[list[int]], params: list[Samp
     try:
         with (model.continuous_batching_context_manager(GenerationConfig(do_sample=False, eos_token_id=eos or -1),
                                                         continuous_batching_config=config) as manager,
-              _progress(len(prompts), progress) as advance):
+              progress_bar(len(prompts), progress) as advance):
             start, index = time.perf_counter(), {}
             while len(results) < len(prompts):
                 now = time.perf_counter() - start
@@ -98,7 +98,7 @@ def serve_static(model, prompts: list[list[int]], params: list[SamplingParams], 
     eos, arrivals = _check(model, prompts, params, arrivals)
     pad = next(t for t in (model.generation_config.pad_token_id, *eos, 0) if t is not None)
     outputs, pending, held = [], set(range(len(prompts))), 0
-    with _progress(len(prompts), progress) as advance, torch.inference_mode():
+    with progress_bar(len(prompts), progress) as advance, torch.inference_mode():
         start = time.perf_counter()
         while pending:
             time.sleep(max(0.0, min(arrivals[i] for i in pending) - (time.perf_counter() - start)))
@@ -148,9 +148,9 @@ def _check(model, prompts, params, arrivals) -> tuple[list[int], list[float]]:
 
 def _token_bytes(model) -> int:
     """Bytes of K and V one token takes across the model's layers."""
-    from vattn.integrations.hf import cache_config_for
+    from vattn.config import CacheConfig
 
-    return cache_config_for(model).kv_bytes_per_token
+    return CacheConfig.from_model(model).kv_bytes_per_token
 
 
 def _until_eos(tokens: list[int], eos: list[int]) -> list[int]:

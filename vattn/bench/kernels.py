@@ -73,13 +73,14 @@ from vattn import attention
 from vattn.attention import StepBatch, decode, prefill
 from vattn.bench import peers
 from vattn.bench.plots import line_chart
-from vattn.bench.report import console, print_table, write_json
+from vattn.bench.shapes import LLAMA_3_8B, SMOLLM2_135M
+from vattn.report import console, print_table, write_json
 from vattn.kv.virtual import VirtualKVCache
-from vattn.config import CacheConfig
+from vattn.config import CacheConfig, resolve
 from vattn.engine import EngineConfig
 from vattn.kv.paged import PagedKVCache
 
-MODELS = {"SmolLM2-135M": (9, 3, 64, 30), "Llama-3-8B": (32, 8, 128, 32)}  # query heads, KV heads, head_dim, layers
+MODELS = {"SmolLM2-135M": SMOLLM2_135M, "Llama-3-8B": LLAMA_3_8B}
 LAYOUTS = ("vattn", "vattn_interleaved", "contiguous", "paged_gather")
 VLLM, BLOCK_SIZES = "vllm_paged", (16, 128)
 GOALS = {"vattn/contiguous": 1.05, "vattn/paged_gather": 0.6}  # at most: float32 decode, batch 8, context 2048
@@ -106,7 +107,7 @@ class Contiguous:
     past each request's length, as the virtual cache reads there)."""
 
     def __init__(self, config: CacheConfig):
-        shape = (config.max_batch, config.num_kv_heads, config.max_seq_len, config.head_dim)
+        shape = (config.max_num_seqs, config.num_kv_heads, config.max_seq_len, config.head_dim)
         self.config, self.device = config, torch.device(config.device)
         self.k, self.v = (torch.zeros(shape, dtype=config.dtype, device=config.device) for _ in "kv")
 
@@ -140,10 +141,10 @@ def query_tokens(phase: str, context: int) -> int:
 def make_layouts(model: str, dtype: torch.dtype, lengths: list[int], device: str = "cpu", seed: int = 0) -> dict:
     """The layouts of `layouts(device)`, each holding the same random K/V (layer 0) of requests of `lengths` tokens."""
     engine = EngineConfig()
-    _, Hkv, D, num_layers = MODELS[model]
-    settings = engine.cache_settings(torch.device(device))
-    config = CacheConfig(num_layers, Hkv, D, dtype, max_batch=len(lengths), max_seq_len=max(lengths),
-                         page_size=settings["page_size"], layout=settings["layout"], device=device)
+    shape = MODELS[model]
+    Hkv, D = shape.kv_heads, shape.head_dim
+    config = resolve(CacheConfig(shape.layers, Hkv, D, dtype, max_num_seqs=len(lengths), max_seq_len=max(lengths),
+                                 page_size=engine.page_size, layout=engine.layout, device=device))
     layer0 = dataclasses.replace(config, num_layers=1, memory_budget=None)
     names = layouts(device)
     caches = {"vattn": VirtualKVCache(config), "contiguous": Contiguous(layer0),
@@ -168,7 +169,7 @@ def make_layouts(model: str, dtype: torch.dtype, lengths: list[int], device: str
 def make_queries(phase: str, model: str, batch: int, context: int, dtype: torch.dtype, device: str = "cpu",
                  seed: int = 1) -> torch.Tensor:
     """Decode: `[B, H, D]`, one token per request; prefill: `[B, n, H, D]`, each request's last n tokens."""
-    H, _, D, _ = MODELS[model]
+    H, D = MODELS[model].heads, MODELS[model].head_dim
     n = query_tokens(phase, context)
     q = torch.randn(batch, n, H, D, generator=torch.Generator().manual_seed(seed)).to(dtype).to(device)
     return q[:, 0] if phase == "decode" else q
@@ -229,7 +230,7 @@ def read_gb_per_s(device: str, repeats: int) -> float:
 
 def floor_ms(model: str, dtype: str, lengths: list[int], gb_per_s: float) -> float:
     """The time reading the live K/V of layer 0 takes at `gb_per_s`."""
-    _, Hkv, D, _ = MODELS[model]
+    Hkv, D = MODELS[model].kv_heads, MODELS[model].head_dim
     return sum(lengths) * 2 * Hkv * D * getattr(torch, dtype).itemsize / gb_per_s / 1e6
 
 
@@ -255,8 +256,8 @@ def vllm_paged(points: list[Point], repeats: int, progress: Progress | None = No
         console.print(f"vllm_paged not measured: {peers.HOW}")
         return None
     task = progress.add_task("vLLM's paged attention (peer process)", total=len(points)) if progress else None
-    specs = [dict(phase=p.phase, dtype=p.dtype, heads=MODELS[p.model][0], kv_heads=MODELS[p.model][1],
-                  head_dim=MODELS[p.model][2], lengths=request_lengths(p.lengths, p.batch, p.context),
+    specs = [dict(phase=p.phase, dtype=p.dtype, heads=MODELS[p.model].heads, kv_heads=MODELS[p.model].kv_heads,
+                  head_dim=MODELS[p.model].head_dim, lengths=request_lengths(p.lengths, p.batch, p.context),
                   query_tokens=query_tokens(p.phase, p.context)) for p in points]
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "points.json", Path(tmp) / "ms.json"

@@ -31,7 +31,8 @@ from types import SimpleNamespace
 
 import torch
 
-from vattn.bench.report import console, print_table, write_json
+from vattn.bench.shapes import LLAMA_3_8B, LLAMA_3_70B_TP8, SMOLLM2_135M, Shape
+from vattn.report import console, print_table, write_json
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -44,15 +45,19 @@ class Geometry:
     budget: int  # default KV budget: small enough that memory, not slots, bounds the batch
     dtype: torch.dtype = torch.bfloat16
 
+    @classmethod
+    def of(cls, shape: Shape, budget: int) -> "Geometry":
+        return cls(shape.layers, shape.kv_heads, shape.head_dim, budget)
+
     @property
     def token_bytes(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype.itemsize
 
 
 MODELS = {
-    "smollm2-135m": Geometry(30, 3, 64, 1 * GiB),
-    "llama-3-8b": Geometry(32, 8, 128, 4 * GiB),
-    "llama-3-70b-tp8": Geometry(80, 1, 128, 3 * GiB),  # one GPU's share: 8 KV heads over 8 GPUs
+    "smollm2-135m": Geometry.of(SMOLLM2_135M, 1 * GiB),
+    "llama-3-8b": Geometry.of(LLAMA_3_8B, 4 * GiB),
+    "llama-3-70b-tp8": Geometry.of(LLAMA_3_70B_TP8, 3 * GiB),
 }
 PAGE_SIZES = {"64k": 64 * KiB, "256k": 256 * KiB, "2m": 2 * MiB}
 STATIC = ("orca_max", "orca_pow2", "orca_oracle")
@@ -161,7 +166,7 @@ def replay_static(policy: str, trace: Trace, token_bytes: int, budget: int, max_
         while waiting and budget_tokens and len(running) < max_num_seqs:
             prompt, output = waiting[0]
             size = reservation(policy, prompt + output, max_seq_len) * token_bytes
-            start = _first_fit([(r.start, r.end) for r in running], size, budget)
+            start = first_fit([(r.start, r.end) for r in running], size, budget)
             if start is None:
                 if not running:
                     raise ValueError(f"request {len(trace) - len(waiting)} reserves {size} bytes; "
@@ -184,7 +189,7 @@ def replay_static(policy: str, trace: Trace, token_bytes: int, budget: int, max_
     return tally
 
 
-def _first_fit(taken: list[tuple[int, int]], size: int, budget: int) -> int | None:
+def first_fit(taken: list[tuple[int, int]], size: int, budget: int) -> int | None:
     """The lowest start of `size` free bytes among the `taken` ranges, if any."""
     start = 0
     for lo, hi in sorted(taken):
@@ -242,10 +247,10 @@ def replay_engine(policy: str, trace: Trace, geometry: Geometry, budget: int, ma
         for prompt, output in trace:
             rid = engine.add_request([0] * prompt, SamplingParams(max_tokens=output, temperature=0, ignore_eos=True))
             final[rid] = (prompt + output) * geometry.token_bytes
-        tally, cache, group = Tally(), engine.cache, engine.cache.config.page_group_bytes
+        tally, cache, page = Tally(), engine.cache, engine.cache.config.page_bytes
         while engine.has_unfinished_requests():
             tally.completed += sum(o.finished for o in engine.step())
-            tally.step([(seq.num_computed_tokens * geometry.token_bytes, cache.mapped_pages(seq.slot) * group,
+            tally.step([(seq.num_computed_tokens * geometry.token_bytes, cache.mapped_pages(engine.kv.slot(seq)) * page,
                          final[req.request_id]) for req in engine.scheduler.running for seq in req.live_seqs])
         counters = {"map_calls": cache.map_calls, "preemptions": engine.stats.preemptions,
                     "map_limit_hits": engine.stats.map_limit_hits}

@@ -1,7 +1,7 @@
 """PNG charts for `--plot DIR` (matplotlib, from the `bench` extra)."""
 from pathlib import Path
 
-from vattn.bench.report import console
+from vattn.report import console
 
 Series = dict[str, tuple[list[float], list[float]]]  # label -> (x, y)
 

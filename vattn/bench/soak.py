@@ -11,9 +11,9 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from vattn.bench.report import print_table, write_json
+from vattn.report import print_table, write_json
 from vattn.engine import LLMEngine
-from vattn.integrations.hf import cache_config_for
+from vattn.config import CacheConfig
 from vattn.sampling_params import SamplingParams
 
 # 256 bytes a token per buffer: 16 tokens per 4 KiB page, so a small budget is a few requests
@@ -68,7 +68,7 @@ def serve(model, reqs, abort_rate: float = 0.0, seed: int = 0, **settings) -> tu
 
 def pool_is_whole(engine) -> bool:
     """Every page free or held by an idle slot, and the books consistent."""
-    engine.cache.check()
+    engine.kv.check()
     st = engine.cache.stats()
     return st.active_slots == 0 and st.pages_mapped == st.pages_idle and st.swapped_slots == 0
 
@@ -77,7 +77,7 @@ def soak(num_requests: int, modes=("recompute", "swap"), budget_pages: int = 16)
     model = tiny_model()
     reqs = requests(num_requests)
     reference, _, _ = serve(model, reqs)
-    budget = budget_pages * cache_config_for(model, page_size=PAGE, layout="per_head").page_group_bytes
+    budget = budget_pages * CacheConfig.from_model(model, page_size=PAGE, layout="per_head").page_bytes
     rows = []
     for mode in modes:
         start = time.perf_counter()

@@ -20,15 +20,15 @@ import time
 
 import torch
 
-from vattn import _native
 from vattn.backends import HostBackend
-from vattn.bench.report import print_table, write_json
-from vattn.kv.virtual import VirtualKVCache
+from vattn.bench.shapes import SMOLLM2_135M
 from vattn.config import CacheConfig
+from vattn.kv.virtual import VirtualKVCache
+from vattn.report import print_table, write_json
 
 KiB, MiB = 1 << 10, 1 << 20
 PAGE_SIZES = {"64k": 64 * KiB, "256k": 256 * KiB, "2m": 2 * MiB}
-SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.float16)
+SMOLLM2 = dict(SMOLLM2_135M.cache_fields(), dtype=torch.float16)
 
 
 def per_page_latency(page_size: int, num_pages: int, repeats: int, seed: int = 0) -> dict:
@@ -59,8 +59,7 @@ def per_page_latency(page_size: int, num_pages: int, repeats: int, seed: int = 0
         samples["single_map"].append(t1 - t0)
         samples["single_unmap"].append(t2 - t1)
 
-        raw_map, raw_unmap = _native.raw_map_loop(reservation, pool.file, page_size, offsets,
-                                                  [p * page_size for p in pages])
+        raw_map, raw_unmap = backend.raw_map_loop(reservation, pool, offsets, pages)
         samples["raw_map"].append(raw_map)
         samples["raw_unmap"].append(raw_unmap)
 
@@ -73,9 +72,9 @@ def per_page_latency(page_size: int, num_pages: int, repeats: int, seed: int = 0
 
 def cuda_latency(num_pages: int = 64, repeats: int = 15) -> dict:
     """Median µs per call (per page for the backend's batched calls)."""
-    from vattn.backends.cuda import CudaBackend, _check, _driver
+    from vattn.backends.cuda import CudaBackend, check, cuda_driver
 
-    backend, driver = CudaBackend(), _driver()
+    backend, driver = CudaBackend(), cuda_driver()
     size, n = backend.granularity, num_pages
     res = backend.reserve(n * size)
     pool = backend.create_pool(n, size)
@@ -87,22 +86,23 @@ def cuda_latency(num_pages: int = 64, repeats: int = 15) -> dict:
     def timed(name, calls, per=1):
         t0 = time.perf_counter_ns()
         for call in calls:
-            _check(call(), name)
+            check(call(), name)
         samples[name].append((time.perf_counter_ns() - t0) / per / 1e3)
 
     for _ in range(repeats):
         handles = []
         t0 = time.perf_counter_ns()
         for _ in range(8):
-            handles.append(_check(driver.cuMemCreate(size, backend._prop, 0), "cuMemCreate"))
+            handles.append(check(driver.cuMemCreate(size, backend.allocation_prop, 0), "cuMemCreate"))
         samples["cuMemCreate"].append((time.perf_counter_ns() - t0) / 8 / 1e3)
         for h in handles:
             driver.cuMemRelease(h)
         timed("cuMemMap", [lambda j=j: driver.cuMemMap(base + j * size, size, 0, pool.handles[j], 0)
                            for j in range(n)], n)
-        timed("cuMemSetAccess (one page)", [lambda j=j: driver.cuMemSetAccess(base + j * size, size, backend._access, 1)
-                                            for j in range(n)], n)
-        timed(f"cuMemSetAccess ({n}-page run)", [lambda: driver.cuMemSetAccess(base, n * size, backend._access, 1)])
+        timed("cuMemSetAccess (one page)",
+              [lambda j=j: driver.cuMemSetAccess(base + j * size, size, backend.access_descs, 1) for j in range(n)], n)
+        timed(f"cuMemSetAccess ({n}-page run)",
+              [lambda: driver.cuMemSetAccess(base, n * size, backend.access_descs, 1)])
         timed("cuMemUnmap", [lambda j=j: driver.cuMemUnmap(base + j * size, size) for j in range(n)], n)
         t0 = time.perf_counter_ns()
         backend.map(res, pool, offsets, range(n))
@@ -120,7 +120,7 @@ def decode_step_mapping(page_size: int, layout: str, requests: int, steps: int, 
                         device: str = "cpu") -> dict:
     """Median and p99 µs of `grow_many` per decode step, 64 requests with
     ShareGPT-like prompt lengths each growing by one token per step."""
-    config = CacheConfig(**SMOLLM2, max_batch=requests, max_seq_len=2048, page_size=page_size, layout=layout,
+    config = CacheConfig(**SMOLLM2, max_num_seqs=requests, max_seq_len=2048, page_size=page_size, layout=layout,
                          device=device)
     cache = VirtualKVCache(config)
     rng = random.Random(seed)

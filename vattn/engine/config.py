@@ -1,12 +1,8 @@
 """Engine settings (vLLM's names where they exist)."""
 from dataclasses import dataclass
 
-import torch
-
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CACHES = ("virtual", "paged")
-# the per-head layout reads like a contiguous tensor; small pages keep it fine-grained on the host
-HOST_LAYOUT, HOST_PAGE_SIZE = "per_head", 8 << 10
 
 
 @dataclass(slots=True)
@@ -17,11 +13,11 @@ class EngineConfig:
     (default: every slot at `max_seq_len`).  A request is admitted only while
     `watermark` of the pages would stay free or reclaimable.  `map_ahead`
     maps the pages the next step needs on a background thread while the
-    current step computes.  `layout` and `page_size` are the virtual cache's:
-    by default `"per_head"` and 8 KiB on the host, and on CUDA `"interleaved"`
-    and the driver's page granularity (`vattn.CacheConfig`), where the pool
-    takes at most `gpu_memory_utilization` of the free device memory unless
-    `memory_budget` says.  `kv_cache="paged"` runs the same engine on the
+    current step computes.  `layout` and `page_size` are the virtual cache's
+    (default: the device's, `vattn.config.DEFAULTS`); on CUDA the pool takes
+    at most `gpu_memory_utilization` of the free device memory unless
+    `memory_budget` says.  With `enable_prefix_caching` a prompt resumes the
+    whole pages another request computed for the same tokens.  `kv_cache="paged"` runs the same engine on the
     paged baseline (`vattn.PagedKVCache`, blocks of `block_size` tokens)."""
 
     max_num_seqs: int = 32
@@ -55,11 +51,8 @@ class EngineConfig:
         if not 0 <= self.watermark < 1:
             raise ValueError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")
 
-    def cache_settings(self, device: torch.device) -> dict:
-        """The `CacheConfig` settings of this engine on `device`."""
-        host = device.type == "cpu"
-        return dict(max_batch=self.max_num_seqs, max_seq_len=self.max_seq_len, memory_budget=self.memory_budget,
-                    page_size=self.page_size or (HOST_PAGE_SIZE if host else None),
-                    layout=self.layout or (HOST_LAYOUT if host else None),
-                    deferred_reclamation=self.deferred_reclamation,
+    def cache_settings(self) -> dict:
+        """The `CacheConfig` settings of this engine (the model gives the geometry)."""
+        return dict(max_num_seqs=self.max_num_seqs, max_seq_len=self.max_seq_len, memory_budget=self.memory_budget,
+                    page_size=self.page_size, layout=self.layout, deferred_reclamation=self.deferred_reclamation,
                     gpu_memory_utilization=self.gpu_memory_utilization)

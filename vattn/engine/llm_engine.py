@@ -1,9 +1,9 @@
 """The serving engine: requests in, tokens out, one scheduler step at a time.
 
-Drives an unmodified transformers model: its attention is swapped for
-`vattn.attention` (which writes K/V into the KV cache and reads live rows
-only), the model is called with `use_cache=False`, one flat batch per step,
-and the logits of the sequences that sample come back.
+A step is: the scheduler's plan (`schedule`), the pages the next step needs
+mapped in the background, one forward (`ModelRunner`), the scheduler's
+bookkeeping (`update`), sampling and stop checks, and the finished sequences
+let go.
 """
 import itertools
 import time
@@ -11,40 +11,37 @@ from collections.abc import Iterator
 
 import torch
 
-from vattn import attention
-from vattn.backends import MapLimitError
-from vattn.kv.virtual import VirtualKVCache
+from vattn.config import CacheConfig
 from vattn.engine.config import EngineConfig
 from vattn.engine.map_worker import MapWorker
 from vattn.engine.metrics import EngineStats
-from vattn.engine.prefix_cache import PrefixCache
+from vattn.engine.model_runner import ModelRunner
+from vattn.engine.plan import StepPlan
 from vattn.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from vattn.engine.sampler import sample
-from vattn.engine.scheduler import Scheduler, Work
-from vattn.integrations.hf import cache_config_for
+from vattn.engine.scheduler import Scheduler
+from vattn.kv.manager import KVCacheManager
 from vattn.kv.paged import PagedKVCache
+from vattn.kv.virtual import VirtualKVCache
 from vattn.sampling_params import SamplingParams
 
 
 class LLMEngine:
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, **settings):
         """`model`: a transformers causal LM (its attention implementation is
-        switched to vattn's); `tokenizer` for text prompts, stop strings and
-        output text; settings: `EngineConfig` fields."""
+        switched to vattn's until `close`); `tokenizer` for text prompts, stop
+        strings and output text; settings: `EngineConfig` fields."""
         self.config = config = config or EngineConfig(**settings)
-        cache_config = cache_config_for(model, **config.cache_settings(model.device))
+        cache_config = CacheConfig.from_model(model, **config.cache_settings())
         self.cache = (PagedKVCache(cache_config, config.block_size) if config.kv_cache == "paged"
                       else VirtualKVCache(cache_config))
-        attention.register()
-        self._model_attention = model.config._attn_implementation  # given back by close()
-        model.set_attn_implementation(attention.NAME)
-        self.model, self.tokenizer = model.eval(), tokenizer
-        c = self.cache.config
-        self.prefix = PrefixCache(max(1, c.page_size // c.token_bytes)) if config.enable_prefix_caching else None
-        self.scheduler = Scheduler(config, self.cache, self.prefix)
+        self.kv = KVCacheManager(self.cache, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv)
+        self.runner = ModelRunner(model, self.cache)
+        self.model, self.tokenizer = model, tokenizer
         self.worker = MapWorker() if config.map_ahead else None
         self.requests: dict[str, Request] = {}
-        self.stats = EngineStats(self.scheduler, self.prefix, self.worker)
+        self.stats = EngineStats(self.scheduler, self.kv, self.worker)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self._vocab = model.config.get_text_config().vocab_size
         self._ids = itertools.count()
@@ -74,10 +71,9 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer")
         # every sample at its longest, each in its own pages (shared prompt pages stop being shared
         # when a preempted request comes back), must fit, or the request could never finish
-        need = params.n * self.cache.config.pages_for(min(len(ids) + params.max_tokens, limit))
-        if need > self.cache.pool.num_pages:
-            raise ValueError(f"the request may need {need} page groups; the memory budget holds "
-                             f"{self.cache.pool.num_pages}")
+        need = params.n * self.kv.pages_for(min(len(ids) + params.max_tokens, limit))
+        if need > self.kv.num_pages:
+            raise ValueError(f"the request may need {need} pages; the memory budget holds {self.kv.num_pages}")
         req = Request(request_id, text, ids, params, cache_salt)
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -106,92 +102,46 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample; outputs of requests with new tokens."""
         start = time.perf_counter()
-        mapped_before, preempted_before = self.scheduler.map_seconds, self.scheduler.preemptions
-        work = self.scheduler.schedule()
-        if not work:
-            if self.scheduler.has_unfinished and self.scheduler.preemptions == preempted_before:
-                why = (" (the process is at vm.max_map_count)" if self.scheduler.map_limit_hits else "")
+        mapped_before = self.scheduler.map_seconds
+        plan = self.scheduler.schedule()
+        if not plan.work:
+            if self.scheduler.has_unfinished and not plan.preempted:
+                why = " (the process is at vm.max_map_count)" if self.kv.map_limit_hits else ""
                 raise RuntimeError(f"no request could be scheduled: memory is too short{why}")
             return []
-        work.sort(key=lambda item: item[2] != 1)  # single tokens first: they take the batched decode path
-        batch = attention.StepBatch(
-            self.cache, [seq.slot for _, seq, n in work if n == 1],
-            [seq.num_computed_tokens for _, seq, n in work if n == 1],
-            [(seq.slot, seq.num_computed_tokens, n) for _, seq, n in work if n != 1])
-        self._page_work(work)
+        self._map_ahead(plan)
         try:
-            logits = self._forward(work, batch)
+            logits = self.runner.run(plan)
         finally:
             waited = self._wait_for_mapping()
-        st = self.cache.stats()
-        held = st.mapped_bytes - st.pages_idle * self.cache.config.page_size
-        outputs = self._postprocess(work, logits)
+        usage, pages = self.kv.usage, self.kv.num_mapped_pages
+        outputs = self._sample(self.scheduler.update(plan), logits)
         self.stats.record(time.perf_counter() - start, self.scheduler.map_seconds - mapped_before + waited,
-                          batch.num_tokens, st.live_bytes / held if held else 0.0, st.pages_mapped)
+                          plan.num_tokens, usage, pages)
         return outputs
 
-    def _forward(self, work: Work, batch: attention.StepBatch) -> torch.Tensor:
-        ids, rows = [], []
-        for _, seq, n in work:
-            start = seq.num_computed_tokens
-            ids += seq.token_ids[start:start + n]
-            if start + n == len(seq.token_ids):
-                rows.append(len(ids) - 1)
-        device = self.model.device
-        with torch.inference_mode():
-            out = self.model(input_ids=torch.tensor([ids], device=device),
-                             position_ids=torch.tensor([batch.positions()], device=device), use_cache=False,
-                             logits_to_keep=torch.tensor(rows or [len(ids) - 1], device=device), vattn_batch=batch)
-        return out.logits[0].cpu()  # sampling runs on the host, with each sequence's own generator
-
-    def _page_work(self, work: Work) -> None:
-        """Unmap what newly given slots hold past their size, and map the page
-        each sampling sequence needs for the token it feeds next step: on the
-        worker while this step computes, or here and now without one."""
-        cache, targets = self.cache, {}
-        for _, seq, n in work:
-            nxt = len(seq.token_ids) + 1
-            if seq.num_computed_tokens + n == len(seq.token_ids) and nxt <= self.config.max_seq_len \
-                    and cache.capacity(seq.slot) < nxt:
-                targets[seq.slot] = nxt
-        active = set(cache.active_slots)  # a slot given out may have been let go again
-        slots = [s for s in self.scheduler.new_slots
-                 if s in active and cache.mapped_pages(s) > cache.config.pages_for(cache.capacity(s))]
-        if not (targets or slots):
-            return
-
-        def job():
-            cache.shrink(slots)
-            try:
-                cache.grow_many(targets)
-            except MapLimitError:  # the next step maps what it needs, or preempts
-                self.scheduler.map_limit_hits += 1
-
+    def _map_ahead(self, plan: StepPlan) -> None:
+        """Map the page each sampling sequence needs for the token it feeds
+        next step (and unmap what newly given slots hold past their size): on
+        the worker while this step computes, or here and now without one."""
+        limit = self.config.max_seq_len
+        targets = {w.seq: len(w.seq.token_ids) + 1 for w in plan.work if w.samples and len(w.seq.token_ids) < limit}
         if self.worker:
-            self.worker.submit(job)
+            self.worker.submit(lambda: self.kv.map_ahead(targets))
         else:
-            self.scheduler.timed(job)
+            self.scheduler.timed(self.kv.map_ahead, targets)
 
     def _wait_for_mapping(self) -> float:
         return self.worker.wait() if self.worker else 0.0
 
-    def _postprocess(self, work: Work, logits: torch.Tensor) -> list[RequestOutput]:
+    def _sample(self, rows: list[tuple[Request, list[Sequence]]], logits: torch.Tensor) -> list[RequestOutput]:
         now = time.perf_counter()
-        row, new = 0, {}  # request -> {sample index: new token}
-        for req, seq, n in work:
-            seq.num_computed_tokens += n
-            if self.prefix:
-                self.prefix.register(seq.slot, seq.token_ids, seq.num_computed_tokens, req.cache_salt)
-            if seq.num_computed_tokens < len(seq.token_ids):
-                continue
-            seqs = [seq]
-            if len(req.seqs) < req.params.n:  # the prompt is done: the other samples fork from it
-                seqs += self.scheduler.fork(req, seq)
+        new = {}  # request -> {sample index: new token}
+        for row, (req, seqs) in enumerate(rows):
             for s in seqs:
                 s.token_ids.append(sample(logits[row], req.params, s.generator))
                 new.setdefault(req, {})[s.index] = s.token_ids[-1]
                 self._check_stop(req, s)
-            row += 1
         outputs = []
         for req, tokens in new.items():
             req.token_times.append(now)
@@ -244,7 +194,7 @@ class LLMEngine:
         """Stop the mapping thread and give the model its own attention back."""
         if self.worker:
             self.worker.close()
-        self.model.set_attn_implementation(self._model_attention)
+        self.runner.close()
 
 
 def _stop_cut(text: str, stops: list[str]) -> int | None:

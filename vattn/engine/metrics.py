@@ -9,17 +9,17 @@ from vattn.engine.request import RequestOutput
 
 if TYPE_CHECKING:
     from vattn.engine.map_worker import MapWorker
-    from vattn.engine.prefix_cache import PrefixCache
     from vattn.engine.scheduler import Scheduler
+    from vattn.kv.manager import KVCacheManager
 
 
 @dataclass(slots=True)
 class EngineStats:
-    """Per-step records, and the counters the scheduler, the prefix cache and
-    the mapping worker keep."""
+    """Per-step records, and the counters the scheduler, the cache and the
+    mapping worker keep."""
 
     scheduler: Scheduler  # only their counters are read
-    prefix: PrefixCache | None
+    kv: KVCacheManager
     worker: MapWorker | None
     step_seconds: list[float] = field(default_factory=list)
     map_seconds: list[float] = field(default_factory=list)  # mapping on the step's critical path
@@ -45,11 +45,13 @@ class EngineStats:
     @property
     def map_limit_hits(self) -> int:
         """Mappings refused at vm.max_map_count (handled like memory being short)."""
-        return self.scheduler.map_limit_hits
+        return self.kv.map_limit_hits
 
     @property
     def prefix_hit_rate(self) -> float:
-        return self.prefix.hit_rate if self.prefix else 0.0
+        """Tokens served from the prefix cache / tokens of the prompts that were given slots."""
+        s = self.scheduler
+        return s.prefix_hit_tokens / s.prefix_queried_tokens if s.prefix_queried_tokens else 0.0
 
     @property
     def background_map_seconds(self) -> float:

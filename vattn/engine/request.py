@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vattn.kv.virtual import SwappedSlot
+from vattn.kv.sharing import SwappedSlot
 from vattn.sampling_params import SamplingParams
 
 
@@ -18,15 +18,15 @@ class Status(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    """One sample of a request: its tokens, how many of them are in the cache,
-    and where (`slot`, or `swapped` while preempted by swap)."""
+    """One sample of a request: its tokens, how many of them are in the cache
+    (the cache API keys its slot by the sequence itself), and its KV in host
+    memory while preempted by swap."""
 
     index: int
     token_ids: list[int]
     prompt_len: int
     generator: torch.Generator | None  # None: greedy
     num_computed_tokens: int = 0
-    slot: int | None = None
     swapped: SwappedSlot | None = None
     finish_reason: str | None = None  # "stop" or "length"
     stop_at: int | None = None  # output characters kept when a stop string ended it

@@ -1,7 +1,7 @@
 """A Hugging Face `Cache` backed by the virtual KV cache.
 
 `VAttnCache` drops into `model.generate(..., cache=VAttnCache.from_model(model,
-max_batch=..., max_seq_len=...))` (transformers ≥ 5.24; before 5.24 the keyword
+max_num_seqs=..., max_seq_len=...))` (transformers ≥ 5.24; before 5.24 the keyword
 is `past_key_values=`).  Batch row i lives in slot i of one `VirtualKVCache`;
 every layer writes its new K/V in place and gets back strided views over the
 live tokens, `[batch, kv_heads, tokens, head_dim]`, with no copy.  Beam
@@ -9,23 +9,11 @@ reordering, `batch_select_indices` and `batch_repeat_interleave` remap pages
 (sharing them) instead of copying the history.
 """
 import torch
-from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from vattn.kv.virtual import VirtualKVCache
+from vattn.attention import registry
 from vattn.config import CacheConfig
-
-
-def cache_config_for(model, **settings) -> CacheConfig:
-    """A `CacheConfig` with the layers, KV heads, head size, dtype and device of
-    a transformers model; `settings` give the rest."""
-    c = model.config.get_text_config()
-    heads = c.num_attention_heads
-    return CacheConfig(num_layers=c.num_hidden_layers,
-                       num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-                       head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-                       dtype=model.dtype, device=str(model.device), **settings)
+from vattn.kv.virtual import VirtualKVCache
 
 
 class KVMemoryError(MemoryError):
@@ -68,24 +56,28 @@ class VAttnLayer(CacheLayerMixin):
 class VAttnCache(Cache):
     def __init__(self, config: CacheConfig):
         self.kv = VirtualKVCache(config)
+        self.kernel = registry.pick(self.kv.device.type, config.dtype, self.kv.kind)
         super().__init__(layers=[VAttnLayer(self, i) for i in range(config.num_layers)])
         self.rows = 0  # batch rows; row i is slot i
         self._capacity = 0  # tokens every row is sized for (kept here: it is checked on every update)
 
+    @property
+    def attn_implementation(self) -> str:
+        """The transformers attention a model should run over this cache's views
+        (`store` returns them; the model's own attention reads them): FlashAttention
+        where the registry picks it for the cache's device, dtype and kind, else
+        torch SDPA."""
+        return "flash_attention_2" if self.kernel.name == "flash" else "sdpa"
+
     @classmethod
-    def from_model(cls, model, max_batch: int, max_seq_len: int, *, layout: str | None = None,
+    def from_model(cls, model, max_num_seqs: int, max_seq_len: int, *, layout: str | None = None,
                    page_size: int | None = None, memory_budget: int | None = None) -> "VAttnCache":
-        """A cache with the geometry, dtype and device of `model`.  On the host
-        the per-head layout (the default) hands attention `[batch, heads,
-        tokens, head_dim]` views whose rows are contiguous, as transformers'
-        own caches do; any multiple of 4 KiB is a page, and 16 KiB (the
-        default) keeps the granularity near 128 tokens for 64-dim bfloat16
-        heads.  On CUDA the defaults are `vattn.CacheConfig`'s: interleaved,
-        in pages of the driver's granularity."""
-        if model.device.type == "cpu":
-            layout, page_size = layout or "per_head", page_size or 16 << 10
-        return cls(cache_config_for(model, max_batch=max_batch, max_seq_len=max_seq_len, layout=layout,
-                                    page_size=page_size, memory_budget=memory_budget))
+        """A cache with the geometry, dtype and device of `model`; layout and
+        page size default to the device's (`vattn.config.DEFAULTS`: on the host
+        the per-head layout hands attention `[batch, heads, tokens, head_dim]`
+        views whose rows are contiguous, as transformers' own caches do)."""
+        return cls(CacheConfig.from_model(model, max_num_seqs=max_num_seqs, max_seq_len=max_seq_len, layout=layout,
+                                          page_size=page_size, memory_budget=memory_budget))
 
     # ------------------------------------------------------------ the model's writes
 
@@ -120,9 +112,9 @@ class VAttnCache(Cache):
         return K[:B, :end].transpose(1, 2), V[:B, :end].transpose(1, 2)
 
     def _open(self, batch: int) -> None:
-        if batch > self.kv.config.max_batch:
-            raise ValueError(f"the batch has {batch} rows; this cache was built for max_batch="
-                             f"{self.kv.config.max_batch}")
+        if batch > self.kv.config.max_num_seqs:
+            raise ValueError(f"the batch has {batch} rows; this cache was built for max_num_seqs="
+                             f"{self.kv.config.max_num_seqs}")
         for row in range(batch):
             if self.kv.allocate(1, slot=row) is None:
                 self._close()
@@ -161,9 +153,9 @@ class VAttnCache(Cache):
         if not self.rows or repeats == 1:
             return
         new_rows = self.rows * repeats
-        if new_rows > self.kv.config.max_batch:
+        if new_rows > self.kv.config.max_num_seqs:
             raise ValueError(f"repeating {self.rows} rows {repeats} times needs {new_rows} slots; this cache "
-                             f"was built for max_batch={self.kv.config.max_batch}")
+                             f"was built for max_num_seqs={self.kv.config.max_num_seqs}")
         n = self.get_seq_length()
         forked = []  # forks first: they read the rows before those move
         while len(forked) < new_rows - self.rows:
@@ -204,17 +196,3 @@ class VAttnCache(Cache):
     def stats(self):
         return self.kv.stats()
 
-
-def sdpa_same_kernel(module, query, key, value, attention_mask, **kwargs):
-    """transformers' SDPA attention, except that a single decode token with
-    grouped KV heads always takes the packed-GQA kernel.  transformers picks it
-    only when a mask is present and otherwise asks torch for `enable_gqa`,
-    several times slower on CPU in bfloat16, so the kernel would depend on whether the
-    cache makes a mask (StaticCache does) rather than on the work.  An all-true
-    mask changes no result."""
-    if attention_mask is None and query.shape[2] == 1 and query.shape[1] != key.shape[1]:
-        attention_mask = torch.ones(1, 1, 1, key.shape[2], dtype=torch.bool, device=query.device)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-
-AttentionInterface.register("vattn_sdpa", sdpa_same_kernel)

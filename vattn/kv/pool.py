@@ -1,8 +1,13 @@
-"""The budget of physical pages: a free list, reference counts and counters.
+"""The budget of physical pages: a free list, reference counts, and the
+prefix hash each full page may carry.
 
 Knows nothing about addresses.  The lowest free page is handed out first, so
 pages taken together are usually consecutive, which lets the backend map them
 with one call (and the host kernel merge them into one mapping entry).
+
+A page's hash (as nano-vllm keeps it on the block) names the tokens it holds
+and every token before them, so a prefix-cache lookup finds pages by hash.
+The hash goes when the page is freed or `forget` is told its tokens changed.
 """
 import heapq
 from collections import Counter
@@ -16,6 +21,8 @@ class PagePool:
         self.refs = [0] * num_pages
         self._free = list(range(num_pages))
         self.num_shared = 0  # pages with more than one reference
+        self._hash: dict[int, tuple[int, tuple]] = {}  # page -> (hash, (salt, tokens)) of the prefix it ends
+        self._by_hash: dict[int, set[int]] = {}  # hash -> pages carrying it
 
     @property
     def num_free(self) -> int:
@@ -60,4 +67,36 @@ class PagePool:
             if self.refs[p] == 0:
                 heapq.heappush(self._free, p)
                 freed.append(p)
+        self.forget(freed)
         return freed
+
+    # ------------------------------------------------------------ prefix hashes
+
+    def set_hash(self, page: int, h: int, content: tuple) -> None:
+        """The page in use holds `content` (salt and tokens), ending the prefix hashed `h`."""
+        if self.refs[page] <= 0:
+            raise ValueError(f"page {page} is free: only a page in use holds tokens")
+        self.forget([page])
+        self._hash[page] = h, content
+        self._by_hash.setdefault(h, set()).add(page)
+
+    def hash_of(self, page: int) -> int | None:
+        entry = self._hash.get(page)
+        return entry[0] if entry else None
+
+    def holds(self, page: int, h: int, content: tuple) -> bool:
+        """Whether the page carries hash `h` for exactly `content` (no collision)."""
+        return self._hash.get(page) == (h, content)
+
+    def pages_with(self, h: int) -> set[int]:
+        return self._by_hash.get(h, set())
+
+    def forget(self, pages: list[int]) -> None:
+        """The pages' tokens changed (or they are free): drop their hashes."""
+        for p in pages:
+            entry = self._hash.pop(p, None)
+            if entry is not None:
+                holders = self._by_hash[entry[0]]
+                holders.discard(p)
+                if not holders:
+                    del self._by_hash[entry[0]]

@@ -1,8 +1,8 @@
 """The virtual KV cache.
 
 Every buffer (one per layer and K/V, one per layer, K/V and head, or one in
-all, by the layout) is reserved up front for `max_batch` slots of
-`max_seq_len` tokens; page j of a slot in every buffer is one page group
+all, by the layout) is reserved up front for `max_num_seqs` slots of
+`max_seq_len` tokens; page j of a slot in every buffer is one page
 (`vattn.kv.slots`), mapped on demand by the VMM backend.  Kernels read a
 layer's K and V as ordinary strided tensors over the reservation.
 
@@ -14,35 +14,33 @@ lengths it is given.
 """
 import torch
 
-from vattn.backends import Backend, MapLimitError, get_backend
-from vattn.config import CacheConfig
-from vattn.kv.slots import CacheStats, SlotCache, SwappedSlot
+from vattn.backends import Backend, get_backend
+from vattn.config import CacheConfig, resolve
+from vattn.kv.inspect import CacheStats
+from vattn.kv.sharing import SwappedSlot
+from vattn.kv.slots import SlotCache
 
-__all__ = ["CacheStats", "SwappedSlot", "VirtualKVCache"]
+__all__ = ["CacheStats", "SwappedSlot", "VirtualKVCache", "VirtualStorage"]
 
 
-class VirtualKVCache(SlotCache):
-    kind = "virtual"  # layer_kv hands kernels whole-buffer views
+class VirtualStorage:
+    """Pages mapped into one reservation holding every buffer."""
 
-    def __init__(self, config: CacheConfig, backend: Backend | None = None):
-        super().__init__(config)
-        c = config
-        self.backend = backend or get_backend(c.device)
-        self.backend.check_page_size(c.page_size)
-        self.device = self.backend.device
-        self._buffer_bytes = c.max_batch * c.slot_bytes
-        self._reservation = self.backend.reserve(c.num_buffers * self._buffer_bytes,
-                                                 zero_backed=self.backend.zero_backing)
-        self._physical = self.backend.create_pool(self.pool.num_pages * c.num_buffers, c.page_size)
-        self._bytes = self.backend.tensor(self._reservation, torch.uint8,
-                                          (c.num_buffers, c.max_batch, c.slot_bytes),
-                                          (self._buffer_bytes, c.slot_bytes, 1))
-        self._k = [self._kernel_view(2 * layer) for layer in range(c.num_layers)]
-        self._v = [self._kernel_view(2 * layer + 1) for layer in range(c.num_layers)]
+    def __init__(self, config: CacheConfig, backend: Backend):
+        c = self.config = config
+        self.backend, self.device = backend, backend.device
+        self.physical = backend.create_pool(c.num_pages * c.num_buffers, c.page_size)
+        self._buffer_bytes = c.max_num_seqs * c.slot_bytes
+        self.reservation = backend.reserve(c.num_buffers * self._buffer_bytes, zero_backed=backend.zero_backing)
+        self.zero_backed = self.reservation.zero_backed
+        self.bytes = backend.tensor(self.reservation, torch.uint8, (c.num_buffers, c.max_num_seqs, c.slot_bytes),
+                                     (self._buffer_bytes, c.slot_bytes, 1))
+        self.k = [self._kernel_view(2 * layer) for layer in range(c.num_layers)]
+        self.v = [self._kernel_view(2 * layer + 1) for layer in range(c.num_layers)]
         self._last_scatter = None, None  # (slots, positions, T) of the last scattered write, its index
 
     def _kernel_view(self, component: int) -> torch.Tensor:
-        """`[max_batch, max_seq_len, H, D]` over K (even) or V (odd) of a layer."""
+        """`[max_num_seqs, max_seq_len, H, D]` over K (even) or V (odd) of a layer."""
         c = self.config
         size = c.dtype.itemsize
         H, D = c.num_kv_heads, c.head_dim
@@ -50,31 +48,29 @@ class VirtualKVCache(SlotCache):
         head, start = {"per_layer": (D, component * buffer),  # buffer 2l+kv, heads within a token
                        "per_head": (buffer, component * H * buffer),  # buffer (2l+kv)·H + h
                        "interleaved": (D, component * H * D)}[c.layout]  # [..., l, kv, h, d] in a token
-        return self.backend.tensor(self._reservation, c.dtype, (c.max_batch, c.max_seq_len, H, D),
+        return self.backend.tensor(self.reservation, c.dtype, (c.max_num_seqs, c.max_seq_len, H, D),
                                    (c.slot_bytes // size, c.token_bytes // size, head, 1), start)
 
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole-buffer K and V of `layer`, `[max_batch, max_seq_len, H, D]`, for
-        kernels given each slot's length.  On the host every row is safe to
-        read (past a slot's length it holds zeros or finite stale values); on
-        CUDA only the rows of mapped pages (`readable`)."""
-        self._check_layer(layer)
-        return self._k[layer], self._v[layer]
+    def map(self, entries, pages) -> None:
+        self.backend.map(self.reservation, self.physical, self._offsets(entries), self._physical_pages(pages))
 
-    def rows_kv(self, layer: int, lo: int, hi: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        K, V = self.layer_kv(layer)
-        return K[lo:hi, :length], V[lo:hi, :length]
+    def unmap(self, entries) -> None:
+        self.backend.unmap(self.reservation, self.physical, self._offsets(entries))
 
-    def readable(self, lo: int, hi: int, length: int) -> bool:
-        """Without the zero page: only pages the mapping worker cannot take
-        count (an active slot's, up to its size; not idle or spare pages)."""
-        c = self.config
-        need = c.pages_for(length)
-        return self._reservation.zero_backed or all(
-            s.active and min(len(s.pages), c.pages_for(s.tokens)) >= need for s in self._slots[lo:hi])
+    def release(self, pages) -> None:
+        self.backend.release(self.physical, self._physical_pages(pages))
 
-    def _store(self, layer, slots, positions, key, value) -> None:
-        K, V = self._k[layer], self._v[layer]
+    def committed_bytes(self) -> int:
+        return self.backend.committed_bytes(self.physical)
+
+    def read(self, slot, table, start, nbytes) -> torch.Tensor:
+        return self.bytes[:, slot, start:start + nbytes]
+
+    def write(self, slot, table, start, data) -> None:
+        self.bytes[:, slot, start:start + data.shape[1]].copy_(data)
+
+    def store(self, layer, slots, tables, positions, key, value) -> None:
+        K, V = self.k[layer], self.v[layer]
         B, T = key.shape[:2]
         first, pos = slots[0], positions[0]
         if slots == list(range(first, first + B)) and positions == [pos] * B:  # one strided copy
@@ -83,6 +79,9 @@ class VirtualKVCache(SlotCache):
         else:
             K.index_put_(self._scatter_index(slots, positions, T), key)
             V.index_put_(self._scatter_index(slots, positions, T), value)
+
+    def rows(self, layer, lo, hi, tables, length) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer][lo:hi, :length], self.v[layer][lo:hi, :length]
 
     def _scatter_index(self, slots: list[int], positions: list[int], T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, columns) of the tokens a write puts at scattered slots: made
@@ -94,46 +93,32 @@ class VirtualKVCache(SlotCache):
             self._last_scatter = key, (rows, cols)
         return self._last_scatter[1]
 
-    def _read_bytes(self, slot: int, start: int, nbytes: int) -> torch.Tensor:
-        return self._bytes[:, slot, start:start + nbytes]
-
-    def _write_bytes(self, slot: int, start: int, data: torch.Tensor) -> None:
-        self._bytes[:, slot, start:start + data.shape[1]].copy_(data)
-
-    def _map(self, entries: list[tuple[int, int]], groups: list[int]) -> None:
-        """At the process's limit on mappings, idle slots' pages (which hold
-        mapping entries too) are unmapped and the call tried once more."""
-        if not entries:
-            return
-        args = self._reservation, self._physical, self._offsets(entries), self._physical_pages(groups)
-        try:
-            self.backend.map(*args)
-        except MapLimitError:
-            idle = sum(len(s.pages) for s in self._slots if not s.active)
-            if not idle:
-                raise
-            self._reclaim(idle, {})  # idle slots come first, so only they are cut
-            self.backend.map(*args)
-        self.map_calls += 1
-
-    def _unmap(self, entries: list[tuple[int, int]]) -> None:
-        self.backend.unmap(self._reservation, self._physical, self._offsets(entries))
-        self.unmap_calls += 1
-
-    def _release(self, groups: list[int]) -> None:
-        self.backend.release(self._physical, self._physical_pages(groups))
-
-    def _committed_bytes(self) -> int:
-        return self.backend.committed_bytes(self._physical)
-
     def _offsets(self, entries: list[tuple[int, int]]) -> list[int]:
         """Byte offsets of (slot, page index) in every buffer, buffer-major."""
         c = self.config
         slot_pages = [i * c.slot_bytes + j * c.page_size for i, j in entries]
         return [b * self._buffer_bytes + o for b in range(c.num_buffers) for o in slot_pages]
 
-    def _physical_pages(self, groups: list[int]) -> list[int]:
-        """Physical pages of page groups, buffer-major: group g of buffer b is
-        page b·G + g, so consecutive groups are consecutive pages per buffer."""
-        G = self.pool.num_pages
-        return [b * G + g for b in range(self.config.num_buffers) for g in groups]
+    def _physical_pages(self, pages: list[int]) -> list[int]:
+        """Physical pages of pages, buffer-major: page p of buffer b is physical
+        page b·P + p, so consecutive pages are consecutive per buffer."""
+        P = self.config.num_pages
+        return [b * P + p for b in range(self.config.num_buffers) for p in pages]
+
+
+class VirtualKVCache(SlotCache):
+    kind = "virtual"  # layer_kv hands kernels whole-buffer views
+
+    def __init__(self, config: CacheConfig, backend: Backend | None = None):
+        backend = backend or get_backend(config.device)
+        config = resolve(config, backend)
+        super().__init__(config, VirtualStorage(config, backend))
+        self.backend = backend
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole-buffer K and V of `layer`, `[max_num_seqs, max_seq_len, H, D]`,
+        for kernels given each slot's length.  On the host every row is safe
+        to read (past a slot's length it holds zeros or finite stale values);
+        on CUDA only the rows of mapped pages (`readable`)."""
+        self._check_layer(layer)
+        return self.storage.k[layer], self.storage.v[layer]

@@ -1,0 +1,76 @@
+"""`StepBatch`: what one forward holds, and the per-step tensors its kernels share.
+
+One forward holds several requests back to back (`input_ids [1, T]`): first
+one decode token for each of `decode_slots`, then prefill chunks.
+"""
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from vattn.kv.slots import SlotCache
+
+
+@dataclass(slots=True)
+class StepBatch:
+    cache: SlotCache
+    decode_slots: list[int]
+    decode_positions: list[int]  # where each decode token goes
+    chunks: list[tuple[int, int, int]]  # (slot, first position, tokens) of each prefill chunk
+    _masks: dict = field(default_factory=dict)  # decode masks and kernel arguments, built once per step
+    _rows: torch.Tensor | None = None  # decode slots - lo, built once per step
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode_slots) + sum(n for _, _, n in self.chunks)
+
+    def positions(self) -> list[int]:
+        return self.decode_positions + [p for _, start, n in self.chunks for p in range(start, start + n)]
+
+    def prefill_chunks(self) -> Iterator[tuple[int, int, slice]]:
+        """(slot, first position, the chunk's rows among the forward's tokens) of each prefill chunk."""
+        first = len(self.decode_slots)
+        for slot, start, n in self.chunks:
+            yield slot, start, slice(first, first + n)
+            first += n
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, store: bool = True) -> None:
+        """Store this forward's `[T, H_kv, D]` K/V of `layer` at each request's
+        positions (with `store=False` only check and record it: the kernel
+        appends it)."""
+        d = len(self.decode_slots)
+        if d:
+            self.cache.write(layer, self.decode_slots, self.decode_positions, key[:d, None], value[:d, None], store)
+        for slot, start, rows in self.prefill_chunks():
+            self.cache.write(layer, [slot], [start], key[None, rows], value[None, rows], store)
+
+    def decode_rows(self) -> tuple[int, int]:
+        """The slot range a batched decode call covers."""
+        return min(self.decode_slots), max(self.decode_slots) + 1
+
+    def decode_row_index(self) -> torch.Tensor:
+        """Where each decode token's slot sits in that range."""
+        if self._rows is None:
+            self._rows = torch.tensor(self.decode_slots, device=self.cache.device) - self.decode_rows()[0]
+        return self._rows
+
+    def tensor(self, name: str, values: list[int]) -> torch.Tensor:
+        """`values` as int32 on the cache's device, made once a step."""
+        if name not in self._masks:
+            self._masks[name] = torch.tensor(values, dtype=torch.int32, device=self.cache.device)
+        return self._masks[name]
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """`[R, 1, 1, L]`: row r attends to the live tokens of slot lo + r (if decoding)."""
+        if window not in self._masks:
+            lo, hi = self.decode_rows()
+            L = max(self.decode_positions) + 1
+            device = self.cache.device
+            pos = torch.zeros(hi - lo, dtype=torch.long, device=device)  # a slot not decoding sees its token 0
+            pos[self.decode_row_index()] = torch.tensor(self.decode_positions, device=device)
+            kv = torch.arange(L, device=device)
+            mask = kv <= pos[:, None]
+            if window is not None:
+                mask &= kv > pos[:, None] - window
+            self._masks[window] = mask[:, None, None, :]
+        return self._masks[window]

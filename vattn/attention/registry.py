@@ -1,0 +1,64 @@
+"""Which kernel runs the engine's attention: one table, in order of preference.
+
+A kernel serves some device types, dtypes and cache kinds (`kind` of the
+cache class: "virtual" hands kernels whole-buffer views, "paged" gathers rows
+through block tables).  FlashAttention needs the optional flash-attn package.
+"""
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from vattn.attention import flash, sdpa
+
+
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    name: str
+    run: Callable[..., torch.Tensor]  # (batch, layer, q, k, v, scaling, window) -> [T, H, D]
+    stores_kv: bool  # it appends the step's K/V itself: the cache only checks and records the write
+    device_types: tuple[str, ...]
+    dtypes: tuple[torch.dtype, ...] | None  # None: any
+    cache_kinds: tuple[str, ...]
+
+    def serves(self, device_type: str, dtype: torch.dtype, cache_kind: str) -> bool:
+        return (device_type in self.device_types and (self.dtypes is None or dtype in self.dtypes)
+                and cache_kind in self.cache_kinds)
+
+    def describe(self) -> str:
+        dtypes = "any dtype" if self.dtypes is None else "/".join(map(_dtype_name, self.dtypes))
+        return f"{'/'.join(self.device_types)}, {dtypes}, {'/'.join(self.cache_kinds)} caches"
+
+
+KERNELS = {k.name: k for k in (
+    Kernel("flash", flash.run, stores_kv=True, device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16),
+           cache_kinds=("virtual",)),
+    Kernel("sdpa", sdpa.run, stores_kv=False, device_types=("cpu", "cuda"), dtypes=None,
+           cache_kinds=("virtual", "paged")),
+)}
+
+
+@cache  # asked once per layer per step
+def pick(device_type: str, dtype: torch.dtype, cache_kind: str, name: str | None = None, *,
+         flash_available: bool = flash.AVAILABLE) -> Kernel:
+    """The kernel `name`, or (None) the first in `KERNELS` that serves this
+    device type, dtype and cache kind; a ValueError if it cannot."""
+    if name is not None and name not in KERNELS:
+        raise ValueError(f"unknown attention kernel {name!r}; the kernels are {', '.join(map(repr, KERNELS))}")
+    serving = [k for k in KERNELS.values()
+               if k.serves(device_type, dtype, cache_kind) and (flash_available or k.name != "flash")]
+    for kernel in serving:
+        if name in (None, kernel.name):
+            return kernel
+    wanted = [KERNELS[name]] if name else list(KERNELS.values())
+    reasons = "; ".join(f"{k.name!r} serves {k.describe()}" for k in wanted)
+    if not flash_available and KERNELS["flash"] in wanted:
+        reasons += "; flash-attn is not installed"
+    whom = "no attention kernel serves" if name is None else f"attention kernel {name!r} cannot serve"
+    raise ValueError(f"{whom} {device_type}, {_dtype_name(dtype)}, a {cache_kind} cache ({reasons}); "
+                     f"the kernels that can: {', '.join(repr(k.name) for k in serving) or 'none'}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

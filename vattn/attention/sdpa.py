@@ -1,0 +1,73 @@
+"""Torch SDPA over K/V the cache already holds, read through its `rows_kv`:
+views of the virtual cache, read in place, or rows the paged cache gathers
+through its block tables.
+
+Decode tokens take one batched call over the slot range holding them (rows
+past a slot's length, and slots not decoding, are masked) when every row of
+that range is readable (the host's zero page backs what is not mapped; on
+CUDA each slot must map the whole length) and the range is mostly decoding
+slots, else one call per request over its live rows; each prefill chunk takes
+one call with a causal mask aligned to its position.  Grouped KV heads are
+packed into the query axis (`[H_kv, G·T, D]` against `[H_kv, L, D]`).
+"""
+import torch
+import torch.nn.functional as F
+
+from vattn.attention.metadata import StepBatch
+
+
+def run(b: StepBatch, layer: int, q, k, v, scaling, window) -> torch.Tensor:
+    """`q [T, H, D]` of the whole forward; `k`/`v` are already in the cache.  Returns `[T, H, D]`."""
+    out = torch.empty_like(q)
+    d = len(b.decode_slots)
+    if d:
+        out[:d] = decode(b, layer, q[:d], scaling, window)
+    for slot, start, rows in b.prefill_chunks():
+        chunk = q[rows]
+        keys, values = b.cache.rows_kv(layer, slot, slot + 1, start + len(chunk))
+        out[rows] = prefill(chunk, keys[0], values[0], start, scaling, window)
+    return out
+
+
+def decode(b: StepBatch, layer: int, q, scaling, window) -> torch.Tensor:
+    """`q [d, H, D]`, one token per decoding slot; returns `[d, H, D]`."""
+    d, H, D = q.shape
+    Hkv = b.cache.config.num_kv_heads
+    lo, hi = b.decode_rows()
+    L = max(b.decode_positions) + 1
+    if hi - lo > 2 * d or not b.cache.readable(lo, hi, L):  # one call per request
+        out = []
+        for i, (slot, pos) in enumerate(zip(b.decode_slots, b.decode_positions)):
+            first = 0 if window is None else max(0, pos + 1 - window)
+            k, v = (t[0, first:].transpose(0, 1) for t in b.cache.rows_kv(layer, slot, slot + 1, pos + 1))
+            out.append(_sdpa(q[i].view(Hkv, H // Hkv, D), k, v, None, scaling))
+        return torch.stack(out).view(d, H, D)
+    K, V = b.cache.rows_kv(layer, lo, hi, L)
+    rows = b.decode_row_index()
+    packed = q.new_zeros(hi - lo, Hkv, H // Hkv, D)
+    packed[rows] = q.view(d, Hkv, H // Hkv, D)
+    out = F.scaled_dot_product_attention(packed, K.transpose(1, 2), V.transpose(1, 2),
+                                         attn_mask=b.decode_mask(window), scale=scaling)
+    return out[rows].view(d, H, D)
+
+
+def prefill(q, k, v, start: int, scaling, window) -> torch.Tensor:
+    """`q [n, H, D]` at positions start.. against `k`/`v [start + n, H_kv, D]`."""
+    n, H, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    packed = q.view(n, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, G * n, D)  # query g·n + i is token i
+    qpos = torch.arange(start, start + n, device=q.device)[:, None]
+    kpos = torch.arange(start + n, device=q.device)
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= kpos > qpos - window
+    out = _sdpa(packed, k.transpose(0, 1), v.transpose(0, 1), mask.repeat(G, 1), scaling)
+    return out.view(Hkv, G, n, D).permute(2, 0, 1, 3).reshape(n, H, D)
+
+
+def _sdpa(q, k, v, mask, scaling) -> torch.Tensor:
+    """SDPA on one request's `[H_kv, rows, D]`: given a batch axis, as torch's
+    fused CPU kernels require (3-D inputs take a path several times slower)."""
+    mask = None if mask is None else mask[None]
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scaling)[0]

@@ -1,0 +1,40 @@
+"""Runs a step plan through an unmodified transformers model.
+
+The model's attention is switched to `vattn.attention` (which writes K/V into
+the cache and reads live rows only); the model is called with
+`use_cache=False`, one flat batch per step, and the logits of the rows that
+sample come back.
+"""
+import torch
+
+from vattn import attention
+from vattn.engine.plan import StepPlan
+from vattn.kv.slots import SlotCache
+
+
+class ModelRunner:
+    def __init__(self, model, cache: SlotCache):
+        attention.register()
+        self.model, self.cache = model.eval(), cache
+        self._model_attention = model.config._attn_implementation  # given back by close()
+        model.set_attn_implementation(attention.NAME)
+
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        """Logits `[rows, vocab]` (on the host), a row per work that samples, in plan order."""
+        batch = attention.StepBatch(self.cache, [w.slot for w in plan.decodes], [w.start for w in plan.decodes],
+                                    [(w.slot, w.start, w.num_tokens) for w in plan.prefills])
+        ids, rows = [], []
+        for w in plan.work:
+            ids += w.seq.token_ids[w.start:w.start + w.num_tokens]
+            if w.samples:
+                rows.append(len(ids) - 1)
+        device = self.model.device
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.tensor([ids], device=device),
+                             position_ids=torch.tensor([batch.positions()], device=device), use_cache=False,
+                             logits_to_keep=torch.tensor(rows or [len(ids) - 1], device=device), vattn_batch=batch)
+        return out.logits[0].cpu()  # sampling runs on the host, with each sequence's own generator
+
+    def close(self) -> None:
+        """Give the model its own attention back."""
+        self.model.set_attn_implementation(self._model_attention)

@@ -1,0 +1,42 @@
+"""The step plan: what one forward computes, as the scheduler decided it
+(vLLM's `SchedulerOutput`).  The model runner reads it; the scheduler's
+`update` takes it back once the forward is done."""
+from dataclasses import dataclass, field
+
+from vattn.engine.request import Request, Sequence
+
+
+@dataclass(slots=True, frozen=True)
+class Work:
+    """`num_tokens` tokens of a sequence from position `start`, in `slot`."""
+
+    request: Request
+    seq: Sequence
+    slot: int
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this work reaches the sequence's last token, so it samples the next."""
+        return self.start + self.num_tokens == len(self.seq.token_ids)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    decodes: list[Work] = field(default_factory=list)  # one token each
+    prefills: list[Work] = field(default_factory=list)  # prompt chunks (or recomputed history)
+    admitted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def work(self) -> list[Work]:
+        """In the forward's order: decode tokens first, then the chunks."""
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(w.num_tokens for w in self.prefills)
+
+    def add(self, work: Work) -> None:
+        (self.decodes if work.num_tokens == 1 else self.prefills).append(work)

@@ -1,0 +1,74 @@
+"""The data side of `SlotCache`: what attention and the HF cache write and read."""
+from collections.abc import Sequence
+
+import torch
+
+
+class Access:
+    """Mixed into `SlotCache` (`vattn.kv.slots`), whose slots it checks."""
+
+    def write(self, layer: int, slots: Sequence[int], positions: Sequence[int],
+              key: torch.Tensor, value: torch.Tensor, store: bool = True) -> None:
+        """Store `key`/`value` `[B, T, H, D]` for `slots[i]` at tokens
+        `positions[i] .. positions[i]+T-1` of `layer`.  A write may overwrite or
+        extend what the slot holds, not leave a gap.  With `store=False` the
+        write is checked and recorded but the bytes are left to the caller's
+        kernel (FlashAttention appends K/V in place)."""
+        c = self.config
+        self._check_layer(layer)
+        slots, positions = list(slots), list(positions)
+        B = len(slots)
+        if B == 0 or len(positions) != B:
+            raise ValueError(f"write needs one position per slot, got {B} slots and {len(positions)} positions")
+        if len(set(slots)) != B:
+            raise ValueError(f"write got a slot twice: {slots}")
+        for name, t in (("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+            if t.dtype != c.dtype or t.device != self.device:
+                raise ValueError(f"{name} is {t.dtype} on {t.device}; the cache holds {c.dtype} on {self.device}")
+            if t.dim() != 4 or t.shape[0] != B or t.shape[1] == 0 or tuple(t.shape[2:]) != (c.num_kv_heads, c.head_dim):
+                raise ValueError(f"{name} must be [{B}, T>0, {c.num_kv_heads}, {c.head_dim}], got {list(t.shape)}")
+        if key.shape != value.shape:
+            raise ValueError(f"key {list(key.shape)} and value {list(value.shape)} differ in shape")
+        T = key.shape[1]
+        for slot, pos in zip(slots, positions):
+            s = self._active(slot)
+            if not isinstance(pos, int) or not 0 <= pos <= s.written[layer]:
+                raise ValueError(f"position {pos!r} for slot {slot} layer {layer} must be in "
+                                 f"[0, {s.written[layer]}] (writes may not leave a gap)")
+            if pos + T > s.capacity:
+                raise ValueError(f"slot {slot} is sized for {s.capacity} tokens; writing {T} at {pos} "
+                                 f"needs {pos + T}: grow it first")
+            if pos * c.token_bytes // c.page_size < self._shared_prefix(s):
+                raise ValueError(f"writing at token {pos} of slot {slot} would change a page it shares "
+                                 f"with another slot")
+        if store:
+            self.storage.store(layer, slots, [self._slots[i].pages for i in slots], positions, key, value)
+        for slot, pos in zip(slots, positions):
+            written = self._slots[slot].written
+            written[layer] = max(written[layer], pos + T)
+
+    def rows_kv(self, layer: int, lo: int, hi: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V `[hi - lo, length, H, D]` of `layer`: the first `length`
+        tokens of slots lo..hi-1, for kernels given each slot's length.  Where
+        `readable(lo, hi, length)`, every row is safe to read: past a slot's
+        length it holds zeros or finite stale values; elsewhere read only
+        each slot's own rows."""
+        self._check_layer(layer)
+        return self.storage.rows(layer, lo, hi, [s.pages for s in self._slots[lo:hi]], length)
+
+    def readable(self, lo: int, hi: int, length: int) -> bool:
+        """Whether all `length` rows of slots lo..hi-1 may be read.  Without a
+        zero backing only pages the mapping worker cannot take count (an
+        active slot's, up to its capacity; not idle or spare pages)."""
+        c = self.config
+        need = c.pages_for(length)
+        return self.storage.zero_backed or all(
+            s.active and min(len(s.pages), c.pages_for(s.capacity)) >= need for s in self._slots[lo:hi])
+
+    def live_kv(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[written, H, D]` K and V of the tokens the slot has written in `layer` (copies)."""
+        s = self._active(slot)
+        k, v = self.rows_kv(layer, slot, slot + 1, s.written[layer])
+        return k[0].clone(), v[0].clone()

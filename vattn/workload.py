@@ -1,0 +1,64 @@
+"""The workload `vattn demo` serves and `vattn bench engine` measures: real
+ShareGPT prompts through the engine, with the figures `vllm bench` prints and
+the engine's own (KV utilization, pages, preemptions, prefix hits, mapping
+time on the step's critical path)."""
+import statistics
+import time
+
+
+def workload(tokenizer, num_prompts: int, max_tokens: int, seed: int = 0):
+    """ShareGPT prompts as chat token ids, and greedy SamplingParams whose
+    `max_tokens` is the reference reply's length, capped at `max_tokens`."""
+    from vattn import SamplingParams, sharegpt
+
+    requests = sharegpt.sample(tokenizer, num_prompts, seed=seed)
+    prompts = [sharegpt.chat_prompt(tokenizer, r.prompt) for r in requests]
+    params = [SamplingParams(max_tokens=min(r.output_len, max_tokens), temperature=0) for r in requests]
+    return requests, prompts, params
+
+
+def serve(llm, prompts, params, progress: bool = True) -> tuple[list, dict]:
+    """Run the requests on `llm` (a fresh `vattn.LLM`); (outputs, figures)."""
+    from vattn.engine.metrics import latency_report
+
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=progress)
+    seconds = time.perf_counter() - start
+    stats, cache = llm.engine.stats, llm.engine.cache
+    step_ms = statistics.median(stats.step_seconds) * 1e3
+    figures = latency_report(outputs, seconds) | {
+        "kv_utilization": stats.kv_utilization,
+        "step_ms_median": step_ms,
+        "map_ms_per_step": statistics.fmean(stats.map_seconds) * 1e3,
+        "background_map_ms_per_step": stats.background_map_seconds * 1e3 / stats.steps,
+        "steps": stats.steps,
+        "peak_pages": stats.peak_pages,
+        "pages_total": cache.stats().pages_total,
+        "page_size": cache.config.page_size,
+        "layout": cache.config.layout,
+        "preemptions": stats.preemptions,
+        "prefix_hit_rate": stats.prefix_hit_rate,
+    }
+    return outputs, figures
+
+
+def figure_rows(f: dict) -> list[list]:
+    def lat(name):
+        s = f[name]
+        return f"{s['mean']:.1f} / {s['median']:.1f} / {s['p99']:.1f}"
+
+    return [
+        ["requests", f"{f['requests']} in {f['seconds']:.1f} s"],
+        ["req/s", f"{f['req_per_s']:.2f}"],
+        ["output tok/s", f"{f['output_tok_per_s']:.1f}"],
+        ["TTFT ms (mean / median / p99)", lat("ttft_ms")],
+        ["TPOT ms", lat("tpot_ms")],
+        ["ITL ms", lat("itl_ms")],
+        ["E2EL ms", lat("e2el_ms")],
+        ["KV utilization (live / mapped, time-averaged)", f"{f['kv_utilization']:.1%}"],
+        ["peak pages mapped", f"{f['peak_pages']} of {f['pages_total']} ({f['page_size'] >> 10} KiB, {f['layout']})"],
+        ["preemptions", f["preemptions"]],
+        ["prefix-cache hit rate", f"{f['prefix_hit_rate']:.1%}"],
+        ["median step ms", f"{f['step_ms_median']:.1f}"],
+        ["mapping ms per step, on the critical path", f"{f['map_ms_per_step']:.3f}"],
+    ]
