@@ -146,6 +146,7 @@ def kv():
 
 MISUSE = {
     "admit twice": (lambda kv, swapped: kv.allocate("a", [1, 2], 2), "already has a slot"),
+    "admit an unhashable id": (lambda kv, swapped: kv.allocate(["c"], [1, 2], 2), "hashable"),
     "admit nothing": (lambda kv, swapped: kv.allocate("c", [], 2), "at least one token"),
     "admit no room asked": (lambda kv, swapped: kv.allocate("c", [1], 0), "num_new_tokens"),
     "admit past max_seq_len": (lambda kv, swapped: kv.allocate("c", [1] * (MAX_SEQ + 1), 2), "max_seq_len"),

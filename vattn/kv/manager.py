@@ -87,8 +87,7 @@ class KVCacheManager:
         (never all of it: the last token is computed to sample from) and room
         for `num_new_tokens` more, at most all of them.  Returns the tokens it
         holds already, or None (nothing changed) when no slot or memory is left."""
-        if seq in self._slots:
-            raise ValueError(f"sequence {seq!r} already has a slot")
+        self._check_new(seq)
         if not token_ids:
             raise ValueError("a sequence needs at least one token")
         if not isinstance(num_new_tokens, int) or num_new_tokens < 1:
@@ -123,8 +122,7 @@ class KVCacheManager:
 
     def fork(self, parent: Hashable, child: Hashable, num_tokens: int) -> bool:
         """Give `child` a slot whose first `num_tokens` share `parent`'s pages."""
-        if child in self._slots:
-            raise ValueError(f"sequence {child!r} already has a slot")
+        self._check_new(child)
         slot = self.cache.fork(self._slot(parent), num_tokens)
         if slot is None:
             return False
@@ -174,7 +172,7 @@ class KVCacheManager:
             if tables is None:  # the slots whose first page starts the prompt
                 firsts = pool.pages_with(h)
                 tables = {s: t for s in range(self.config.max_num_seqs)
-                          if (t := self.cache.block_table(s)) and t[0] in firsts}
+                          if firsts and (t := self.cache.block_table(s)) and t[0] in firsts}
             tables = {s: t for s, t in tables.items() if len(t) > j and pool.holds(t[j], h, content)}
             if not tables:
                 break
@@ -195,8 +193,7 @@ class KVCacheManager:
 
     def swap_in(self, seq: Hashable, swapped: SwappedSlot, salt: str | None = None) -> bool:
         """Bring a swapped-out sequence back into a slot; False if it does not fit."""
-        if seq in self._slots:
-            raise ValueError(f"sequence {seq!r} already has a slot")
+        self._check_new(seq)
         slot = self.cache.swap_in(swapped)
         if slot is None:
             return False
@@ -222,6 +219,12 @@ class KVCacheManager:
             return self._slots[seq]
         except (KeyError, TypeError):
             raise ValueError(f"sequence {seq!r} has no slot") from None
+
+    def _check_new(self, seq: Hashable) -> None:
+        if not isinstance(seq, Hashable):
+            raise ValueError(f"a sequence id must be hashable, got {type(seq).__name__}")
+        if seq in self._slots:
+            raise ValueError(f"sequence {seq!r} already has a slot")
 
     def _full_pages(self, num_tokens: int) -> int:
         """Pages wholly inside the first `num_tokens` tokens (the ones sharing or resuming keeps as they are)."""
