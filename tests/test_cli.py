@@ -3,6 +3,10 @@ import os
 import subprocess
 import sys
 
+from vattn.bench.shapes import SMOLLM2_135M
+
+KV_BYTES_PER_TOKEN = 2 * SMOLLM2_135M.layers * SMOLLM2_135M.kv_heads * SMOLLM2_135M.head_dim * 4  # float32
+
 
 def vattn(*args):
     out = subprocess.run([sys.executable, "-m", "vattn", *args], capture_output=True, text=True, timeout=300)
@@ -84,6 +88,8 @@ def test_bench_e2e_runs_every_system(tmp_path):
             assert r["same_tokens_as_vattn"] == 2  # greedy float32: every system gives the same tokens
             assert r["peak_rss_bytes"] > 100 << 20 and 0 < r["kv_bytes_committed"] <= result["kv_budget_bytes"]
             assert len(r["rounds"]) == 1 and r["kv_budget_bytes"] == result["kv_budget_bytes"]
+        for system in ("vattn", "paged_16"):  # at its busiest, KV for the longer prompt (at least half of them)
+            assert rows[system]["kv_bytes_committed"] >= result["prompt_tokens"] // 2 * KV_BYTES_PER_TOKEN
         vattn_ran, vllm_ran = rows["vattn"]["settings"], rows["vllm_cpu"]["settings"]
         assert vattn_ran["options"]["memory_budget"] == vllm_ran["kv_cache_memory_bytes"] == result["kv_budget_bytes"]
         assert vattn_ran["dtype"] == vllm_ran["dtype"] == "float32"

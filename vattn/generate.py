@@ -71,7 +71,9 @@ def run(prompt: str, max_new_tokens: int, num_beams: int, cache_kind: str) -> No
             ["tokens/s", f"{new_tokens / seconds:.1f}"], ["KV bytes held", f"{held:,}"], ["KV bytes live", f"{live:,}"]]
     if isinstance(cache, VAttnCache):
         st = cache.stats()
-        rows += [["pages mapped / total", f"{st.pages_mapped} / {st.pages_total} of {cache.kv.config.page_size >> 10} KiB"],
+        c = cache.kv.config
+        rows += [["pages mapped / total", f"{st.pages_mapped} / {st.pages_total} of {c.page_size >> 10} KiB "
+                                          f"in each of {c.num_buffers} buffers"],
                  ["pages shared", st.pages_shared], ["utilization (live / mapped)", f"{st.utilization:.1%}"],
                  ["map calls", st.map_calls]]
     print_table("KV cache", ["", ""], rows)

@@ -35,6 +35,7 @@ def serve(llm, prompts, params, progress: bool = True) -> tuple[list, dict]:
         "peak_pages": stats.peak_pages,
         "pages_total": cache.stats().pages_total,
         "page_size": cache.config.page_size,
+        "num_buffers": cache.config.num_buffers,
         "layout": cache.config.layout,
         "preemptions": stats.preemptions,
         "prefix_hit_rate": stats.prefix_hit_rate,
@@ -56,7 +57,8 @@ def figure_rows(f: dict) -> list[list]:
         ["ITL ms", lat("itl_ms")],
         ["E2EL ms", lat("e2el_ms")],
         ["KV utilization (live / mapped, time-averaged)", f"{f['kv_utilization']:.1%}"],
-        ["peak pages mapped", f"{f['peak_pages']} of {f['pages_total']} ({f['page_size'] >> 10} KiB, {f['layout']})"],
+        ["peak pages mapped", f"{f['peak_pages']} of {f['pages_total']} ({f['page_size'] >> 10} KiB in each of "
+                              f"{f['num_buffers']} buffers, {f['layout']})"],
         ["preemptions", f["preemptions"]],
         ["prefix-cache hit rate", f"{f['prefix_hit_rate']:.1%}"],
         ["median step ms", f"{f['step_ms_median']:.1f}"],

@@ -25,7 +25,7 @@ class EngineStats:
     map_seconds: list[float] = field(default_factory=list)  # mapping on the step's critical path
     tokens: list[int] = field(default_factory=list)  # tokens computed per step
     utilization: list[float] = field(default_factory=list)  # live / mapped by running requests, per step
-    peak_pages: int = 0  # physical pages mapped at the busiest step
+    peak_pages: int = 0  # pages mapped at the busiest step (each `page_bytes` of memory)
 
     def record(self, seconds: float, map_seconds: float, tokens: int, utilization: float, pages: int) -> None:
         self.step_seconds.append(seconds)
