@@ -431,3 +431,13 @@ def test_what_a_reused_slot_holds_past_its_size_is_reclaimable(layout):
     assert torch.equal(cache.live_kv(slot, 1)[1], data[1][1])
     assert cache.grow(slot, c.page_size // c.token_bytes + 10) is False  # nothing spare is left
     cache.check()
+
+
+def test_live_rows_are_views_of_the_virtual_cache_and_copies_of_the_paged_one():
+    for layout in ("per_head", "paged"):
+        cache = make_cache(layout)
+        slot = cache.allocate(10)
+        fill(cache, slot, 10)
+        k, _ = cache.live_kv(slot, 0)
+        cache.write(0, [slot], [0], torch.full((1, 1, 3, 8), 7.0), torch.zeros(1, 1, 3, 8))
+        assert (float(k[0, 0, 0]) == 7.0) == (layout != "paged")

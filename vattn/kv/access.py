@@ -68,7 +68,8 @@ class Access:
             s.active and min(len(s.pages), c.pages_for(s.capacity)) >= need for s in self._slots[lo:hi])
 
     def live_kv(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`[written, H, D]` K and V of the tokens the slot has written in `layer` (copies)."""
+        """`[written, H, D]` K and V of the tokens the slot has written in
+        `layer`: views of the virtual cache, copies of what the paged one gathers."""
         s = self._active(slot)
         k, v = self.rows_kv(layer, slot, slot + 1, s.written[layer])
-        return k[0].clone(), v[0].clone()
+        return (k[0], v[0]) if self.storage.views else (k[0].clone(), v[0].clone())

@@ -28,7 +28,7 @@ class PagedStorage:
     """Blocks in a pool reached through block tables; one block more, never
     written, is what rows past a table read."""
 
-    zero_backed = True
+    zero_backed, views = True, False
 
     def __init__(self, config: CacheConfig, block_size: int, backend: Backend):
         c = self.config = config

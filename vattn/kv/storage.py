@@ -18,6 +18,7 @@ from vattn.backends import MapLimitError
 class Storage(Protocol):
     device: torch.device
     zero_backed: bool  # rows with no page behind them read as zeros instead of faulting
+    views: bool  # `rows` are views of the cache itself (else copies into a buffer the next call reuses)
 
     def map(self, entries: list[tuple[int, int]], pages: list[int]) -> None:
         """Put page `pages[i]` at `entries[i]`; all or nothing (`MapLimitError`

@@ -26,6 +26,8 @@ __all__ = ["CacheStats", "SwappedSlot", "VirtualKVCache", "VirtualStorage"]
 class VirtualStorage:
     """Pages mapped into one reservation holding every buffer."""
 
+    views = True
+
     def __init__(self, config: CacheConfig, backend: Backend):
         c = self.config = config
         self.backend, self.device = backend, backend.device
