@@ -3,9 +3,12 @@ import os
 import subprocess
 import sys
 
+import torch
+
+from vattn import CacheConfig
 from vattn.bench.shapes import SMOLLM2_135M
 
-KV_BYTES_PER_TOKEN = 2 * SMOLLM2_135M.layers * SMOLLM2_135M.kv_heads * SMOLLM2_135M.head_dim * 4  # float32
+KV_BYTES_PER_TOKEN = CacheConfig(**SMOLLM2_135M.cache_fields(), dtype=torch.float32).kv_bytes_per_token
 
 
 def vattn(*args):

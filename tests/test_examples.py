@@ -8,7 +8,8 @@ import torch
 from test_engine import hf_greedy
 from tiny_models import SMALL, tiny_model
 
-from vattn import KVCacheManager
+from vattn import CacheConfig, KVCacheManager
+from vattn.config import resolve
 
 ROOT = Path(__file__).parent.parent
 LOOP = ROOT / "examples" / "scheduler_loop.py"
@@ -37,7 +38,7 @@ def test_the_loop_equals_hf_generate(budget_pages, monkeypatch):
     prompts = [system + torch.randint(2, 90, (n,), generator=g).tolist() for n in (5, 9, 3, 20, 7)]
     reference = [hf_greedy(tiny_model("llama", "sdpa"), p, 12, ignore_eos=True) for p in prompts]
     model = tiny_model("llama", "sdpa")
-    page = 2 * SMALL["num_hidden_layers"] * SMALL["num_key_value_heads"] * 8 << 10  # 8 KiB in each per-head buffer
+    page = resolve(CacheConfig.from_model(model)).page_bytes  # the host's default page, in every buffer
     budget = budget_pages and budget_pages * page
     assert load_loop()(model, prompts, 12, memory_budget=budget) == reference
     assert (len(frees) > len(prompts)) == (budget is not None)  # preempted sequences are freed twice or more

@@ -33,7 +33,7 @@ class Sharing:
         `num_tokens` of `src` (see `share_many`)."""
         return self.share_many({dst: src}, num_tokens)
 
-    @short_at_map_limit
+    @short_at_map_limit(False)
     def share_many(self, sources: Mapping[int, int], num_tokens: int) -> bool:
         """Make each slot `dst` in `sources` a slot of `num_tokens` tokens equal
         to the first `num_tokens` of `sources[dst]` as it was before the call

@@ -65,7 +65,7 @@ class SlotCache(Access, Sharing, Inspection):
         except ValueError:
             return False
 
-    @short_at_map_limit
+    @short_at_map_limit(None)
     def allocate(self, num_tokens: int, slot: int | None = None, resume: int = 0) -> int | None:
         """A slot sized for `num_tokens`, or None when no slot or memory is left.
 
@@ -133,7 +133,7 @@ class SlotCache(Access, Sharing, Inspection):
         """Size `slot` for `num_tokens` (mapping what is missing); False if memory is short."""
         return self.grow_many({slot: num_tokens})
 
-    @short_at_map_limit
+    @short_at_map_limit(False)
     def grow_many(self, targets: Mapping[int, int]) -> bool:
         """Grow several slots with one batched map call; all or nothing."""
         growth, sizes = self._growth(targets)

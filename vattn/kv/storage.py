@@ -48,14 +48,16 @@ class Storage(Protocol):
         """K and V `[hi - lo, length, H, D]` of slots lo..hi-1 (`tables` theirs)."""
 
 
-def short_at_map_limit(method):
+def short_at_map_limit(no_room):
     """Run a mapping operation; at the mapping limit it changed nothing and
-    returns its "no room" answer (the method's falsy result)."""
-    @functools.wraps(method)
-    def run(self, *args, **kwargs):
-        try:
-            return method(self, *args, **kwargs)
-        except MapLimitError:
-            self.map_limit_hits += 1
-            return False if method.__annotations__.get("return") is bool else None
-    return run
+    returns `no_room`, its answer when memory is short."""
+    def wrap(method):
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except MapLimitError:
+                self.map_limit_hits += 1
+                return no_room
+        return run
+    return wrap
