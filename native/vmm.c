@@ -28,6 +28,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "attention.h"
 #include "dlpack.h"
 
 static PyObject *MapLimitError;
@@ -452,14 +453,19 @@ static PyMethodDef methods[] = {
     {"dlpack", dlpack, METH_VARARGS,
      "dlpack(owner, address, nbytes, device_type, device_id): a DLPack capsule of nbytes uint8 at address, "
      "keeping owner alive."},
+    {"attend", attend, METH_VARARGS,
+     "attend(q, out, k, v, requests, scale, window, threads): attention of q's tokens over strided K/V rows into out."},
+    {"attention_isa", attention_isa, METH_VARARGS,
+     "attention_isa([name]): the instruction set attend() runs, after switching to name ('avx2', 'baseline')."},
     {NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "vattn._native",
-                                    "Host virtual-memory primitives (mmap + memfd) and DLPack capsules over raw memory.", -1, methods};
+                                    "Host virtual-memory primitives (mmap + memfd), DLPack capsules over raw memory, and CPU attention over strided K/V.", -1, methods};
 
 PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&ReservationType) < 0 || PyType_Ready(&PhysicalFileType) < 0) return NULL;
+    if (attention_init()) return PyErr_SetFromErrno(PyExc_OSError);
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     MapLimitError = PyErr_NewExceptionWithDoc("vattn._native.MapLimitError",

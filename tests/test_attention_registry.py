@@ -6,55 +6,63 @@ from vattn.attention import registry
 from vattn.attention.registry import pick
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("flash_available", [True, False])
-def test_the_host_takes_sdpa(dtype, flash_available):
-    kernel = pick("cpu", dtype, "virtual", flash_available=flash_available)
-    assert kernel.name == "sdpa" and not kernel.stores_kv
+def test_the_host_takes_the_native_kernel_for_virtual_caches(dtype, flash_available):
+    kernel = pick("cpu", dtype, "virtual", 64, flash_available=flash_available)
+    assert kernel.name == "native" and not kernel.stores_kv
+
+
+@pytest.mark.parametrize("dtype, kind, head_dim", [(torch.float16, "virtual", 64), (torch.float32, "paged", 64),
+                                                   (torch.float32, "virtual", 72), (torch.float32, "virtual", 512)])
+def test_the_host_takes_sdpa_where_the_native_kernel_cannot_serve(dtype, kind, head_dim):
+    assert pick("cpu", dtype, kind, head_dim).name == "sdpa"
+    with pytest.raises(ValueError, match="attention kernel 'native' cannot serve.*head_dim a multiple of 16"):
+        pick("cpu", dtype, kind, head_dim, "native")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_takes_flash_for_16_bit_virtual_caches_when_installed(dtype):
-    kernel = pick("cuda", dtype, "virtual", flash_available=True)
+    kernel = pick("cuda", dtype, "virtual", 64, flash_available=True)
     assert kernel.name == "flash" and kernel.stores_kv
-    assert pick("cuda", dtype, "virtual", flash_available=False).name == "sdpa"
+    assert pick("cuda", dtype, "virtual", 64, flash_available=False).name == "sdpa"
 
 
 def test_cuda_takes_sdpa_for_float32_and_for_paged_caches():
-    assert pick("cuda", torch.float32, "virtual", flash_available=True).name == "sdpa"
-    assert pick("cuda", torch.bfloat16, "paged", flash_available=True).name == "sdpa"
-    assert pick("cpu", torch.float32, "paged").name == "sdpa"
+    assert pick("cuda", torch.float32, "virtual", 64, flash_available=True).name == "sdpa"
+    assert pick("cuda", torch.bfloat16, "paged", 64, flash_available=True).name == "sdpa"
+    assert pick("cpu", torch.float32, "paged", 64).name == "sdpa"
 
 
 def test_a_kernel_chosen_by_name():
-    assert pick("cuda", torch.bfloat16, "virtual", "sdpa", flash_available=True).name == "sdpa"
-    assert pick("cuda", torch.bfloat16, "virtual", "flash", flash_available=True).name == "flash"
+    assert pick("cuda", torch.bfloat16, "virtual", 64, "sdpa", flash_available=True).name == "sdpa"
+    assert pick("cuda", torch.bfloat16, "virtual", 64, "flash", flash_available=True).name == "flash"
 
 
 def test_an_unknown_name_is_refused_naming_the_kernels():
-    with pytest.raises(ValueError, match="unknown attention kernel 'native'.*'flash', 'sdpa'"):
-        pick("cpu", torch.float32, "virtual", "native")
+    with pytest.raises(ValueError, match="unknown attention kernel 'fast'.*'native', 'flash', 'sdpa'"):
+        pick("cpu", torch.float32, "virtual", 64, "fast")
 
 
 @pytest.mark.parametrize("device_type, dtype, kind, available", [
-    ("cpu", torch.bfloat16, "virtual", True),
+    ("cpu", torch.float16, "virtual", True),
     ("cuda", torch.float32, "virtual", True),
     ("cuda", torch.bfloat16, "paged", True),
     ("cuda", torch.bfloat16, "virtual", False),
 ])
 def test_flash_by_name_is_refused_where_it_cannot_serve(device_type, dtype, kind, available):
     with pytest.raises(ValueError, match="attention kernel 'flash' cannot serve.*the kernels that can: 'sdpa'"):
-        pick(device_type, dtype, kind, "flash", flash_available=available)
+        pick(device_type, dtype, kind, 64, "flash", flash_available=available)
 
 
 def test_no_kernel_for_an_unknown_device():
     with pytest.raises(ValueError, match="no attention kernel serves mps.*the kernels that can: none"):
-        pick("mps", torch.float32, "virtual")
+        pick("mps", torch.float32, "virtual", 64)
 
 
-def test_the_table_lists_flash_first():
+def test_the_table_lists_the_fastest_first():
     """The automatic choice is the first kernel that serves: the fastest first."""
-    assert list(registry.KERNELS) == ["flash", "sdpa"]
+    assert list(registry.KERNELS) == ["native", "flash", "sdpa"]
 
 
 def test_the_hf_cache_records_its_kernel():
@@ -63,5 +71,18 @@ def test_the_hf_cache_records_its_kernel():
 
     cache = VAttnCache(CacheConfig(2, 2, 64, torch.float32, max_num_seqs=2, max_seq_len=64, layout="per_head",
                                    page_size=16 << 10))
-    assert cache.kernel is pick("cpu", torch.float32, "virtual")
-    assert cache.attn_implementation == "sdpa"
+    assert cache.kernel is pick("cpu", torch.float32, "virtual", 64)
+    assert cache.attn_implementation == "vattn_native"
+
+
+def test_the_engine_takes_a_kernel_by_name():
+    from tiny_models import tiny_model
+    from vattn.engine import LLMEngine
+
+    model = tiny_model("llama", "sdpa")
+    assert LLMEngine(model, max_num_seqs=2, max_seq_len=64).runner.kernel.name == "native"
+    engine = LLMEngine(model, max_num_seqs=2, max_seq_len=64, attention="sdpa")
+    assert engine.runner.kernel.name == "sdpa"
+    engine.close()
+    with pytest.raises(ValueError, match="unknown attention kernel 'fastest'"):
+        LLMEngine(model, max_num_seqs=2, max_seq_len=64, attention="fastest")

@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, nargs="+", default=[512, 2048], help="hf: tokens to generate")
     p.add_argument("--batches", type=int, nargs="+",
                    help="hf, kernels: batch sizes (hf: 1 8; kernels: 1 8 32, the largest also with mixed lengths)")
-    p.add_argument("--attn", choices=["sdpa", "vattn_sdpa", "eager"], default="sdpa",
+    p.add_argument("--attn", choices=["sdpa", "vattn_sdpa", "vattn_native", "eager"], default="sdpa",
                    help="hf: attention implementation for every cache")
     p.add_argument("--num-prompts", type=int, help="engine (64), e2e (sharegpt 48, long 32): requests")
     p.add_argument("--max-tokens", type=int, help="engine (64), e2e (sharegpt 128, long 256): cap on each answer")

@@ -2,15 +2,16 @@
 
 One forward holds several requests back to back (`StepBatch`).  Every layer
 writes its new K/V into the cache at each request's own positions and attends
-over that request's live tokens only, with the kernel `registry.pick` names
-for the device, dtype and cache kind: FlashAttention (`flash`) on CUDA with
-flash-attn installed and a 16-bit virtual cache, else torch SDPA (`sdpa`).
+over that request's live tokens only, with the kernel the engine picked
+(`registry.pick`, by the device, dtype, cache kind and head dim, or by name):
+vattn's own CPU kernel (`native`) for a float32 or bfloat16 virtual cache on
+the host, FlashAttention (`flash`) on CUDA with flash-attn installed and a
+16-bit virtual cache, else torch SDPA (`sdpa`).
 
 `register()` makes `attention` available to transformers as
 `attn_implementation="vattn"`; it expects `vattn_batch=StepBatch` among the
 model's keyword arguments, which transformers passes through to attention.
 """
-from vattn.attention import registry
 from vattn.attention.flash import flash_attn_with_kvcache  # None without flash-attn; the kernel benchmarks call it
 from vattn.attention.metadata import StepBatch
 from vattn.attention.sdpa import decode, prefill
@@ -31,9 +32,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         raise ValueError(f"the forward has {query.shape[2]} tokens; its StepBatch describes {b.num_tokens}")
     q = query[0].transpose(0, 1)  # [T, H, D]
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
-    kernel = registry.pick(q.device.type, b.cache.config.dtype, b.cache.kind)
-    b.write(layer, k, v, store=not kernel.stores_kv)
-    return kernel.run(b, layer, q, k, v, scaling, sliding_window).unsqueeze(0), None
+    b.write(layer, k, v, store=not b.kernel.stores_kv)
+    return b.kernel.run(b, layer, q, k, v, scaling, sliding_window).unsqueeze(0), None
 
 
 def register() -> None:

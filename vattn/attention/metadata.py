@@ -5,10 +5,15 @@ one decode token for each of `decode_slots`, then prefill chunks.
 """
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from vattn.attention.native import requests
 from vattn.kv.slots import SlotCache
+
+if TYPE_CHECKING:
+    from vattn.attention.registry import Kernel
 
 
 @dataclass(slots=True)
@@ -17,8 +22,16 @@ class StepBatch:
     decode_slots: list[int]
     decode_positions: list[int]  # where each decode token goes
     chunks: list[tuple[int, int, int]]  # (slot, first position, tokens) of each prefill chunk
+    kernel: "Kernel | None" = None  # what runs the attention (None: the registry's pick for the cache)
     _masks: dict = field(default_factory=dict)  # decode masks and kernel arguments, built once per step
     _rows: torch.Tensor | None = None  # decode slots - lo, built once per step
+
+    def __post_init__(self):
+        if self.kernel is None:
+            from vattn.attention import registry  # the registry imports the kernels, which take a StepBatch
+
+            c = self.cache.config
+            self.kernel = registry.pick(self.cache.device.type, c.dtype, self.cache.kind, c.head_dim)
 
     @property
     def num_tokens(self) -> int:
@@ -43,6 +56,17 @@ class StepBatch:
             self.cache.write(layer, self.decode_slots, self.decode_positions, key[:d, None], value[:d, None], store)
         for slot, start, rows in self.prefill_chunks():
             self.cache.write(layer, [slot], [start], key[None, rows], value[None, rows], store)
+
+    def requests(self):
+        """The native kernel's request table: a request per decode token and per
+        prefill chunk, each reading its slot's rows up to its last token."""
+        if "requests" not in self._masks:
+            decodes = enumerate(zip(self.decode_slots, self.decode_positions))
+            self._masks["requests"] = requests(
+                [(slot, 0, pos + 1, i, 1) for i, (slot, pos) in decodes]
+                + [(slot, 0, start + rows.stop - rows.start, rows.start, rows.stop - rows.start)
+                   for slot, start, rows in self.prefill_chunks()])
+        return self._masks["requests"]
 
     def decode_rows(self) -> tuple[int, int]:
         """The slot range a batched decode call covers."""

@@ -1,8 +1,9 @@
 """Which kernel runs the engine's attention: one table, in order of preference.
 
-A kernel serves some device types, dtypes and cache kinds (`kind` of the
-cache class: "virtual" hands kernels whole-buffer views, "paged" gathers rows
-through block tables).  FlashAttention needs the optional flash-attn package.
+A kernel serves some device types, dtypes, cache kinds (`kind` of the cache
+class: "virtual" hands kernels whole-buffer views, "paged" gathers rows
+through block tables) and head dims.  FlashAttention needs the optional
+flash-attn package; vattn's own CPU kernel (`native`) is part of the C core.
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from functools import cache
 
 import torch
 
-from vattn.attention import flash, sdpa
+from vattn.attention import flash, native, sdpa
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,17 +22,22 @@ class Kernel:
     device_types: tuple[str, ...]
     dtypes: tuple[torch.dtype, ...] | None  # None: any
     cache_kinds: tuple[str, ...]
+    head_dims: Callable[[int], bool] | None = None  # None: any
+    head_dims_text: str = ""
 
-    def serves(self, device_type: str, dtype: torch.dtype, cache_kind: str) -> bool:
+    def serves(self, device_type: str, dtype: torch.dtype, cache_kind: str, head_dim: int) -> bool:
         return (device_type in self.device_types and (self.dtypes is None or dtype in self.dtypes)
-                and cache_kind in self.cache_kinds)
+                and cache_kind in self.cache_kinds and (self.head_dims is None or self.head_dims(head_dim)))
 
     def describe(self) -> str:
         dtypes = "any dtype" if self.dtypes is None else "/".join(map(_dtype_name, self.dtypes))
-        return f"{'/'.join(self.device_types)}, {dtypes}, {'/'.join(self.cache_kinds)} caches"
+        return f"{'/'.join(self.device_types)}, {dtypes}, {'/'.join(self.cache_kinds)} caches{self.head_dims_text}"
 
 
 KERNELS = {k.name: k for k in (
+    Kernel("native", native.run, stores_kv=False, device_types=("cpu",), dtypes=tuple(native.DTYPES),
+           cache_kinds=("virtual",), head_dims=native.serves_head_dim,
+           head_dims_text=f", head_dim a multiple of 16 up to {native.MAX_HEAD_DIM}"),
     Kernel("flash", flash.run, stores_kv=True, device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16),
            cache_kinds=("virtual",)),
     Kernel("sdpa", sdpa.run, stores_kv=False, device_types=("cpu", "cuda"), dtypes=None,
@@ -40,14 +46,14 @@ KERNELS = {k.name: k for k in (
 
 
 @cache  # asked once per layer per step
-def pick(device_type: str, dtype: torch.dtype, cache_kind: str, name: str | None = None, *,
+def pick(device_type: str, dtype: torch.dtype, cache_kind: str, head_dim: int, name: str | None = None, *,
          flash_available: bool = flash.AVAILABLE) -> Kernel:
     """The kernel `name`, or (None) the first in `KERNELS` that serves this
-    device type, dtype and cache kind; a ValueError if it cannot."""
+    device type, dtype, cache kind and head dim; a ValueError if it cannot."""
     if name is not None and name not in KERNELS:
         raise ValueError(f"unknown attention kernel {name!r}; the kernels are {', '.join(map(repr, KERNELS))}")
     serving = [k for k in KERNELS.values()
-               if k.serves(device_type, dtype, cache_kind) and (flash_available or k.name != "flash")]
+               if k.serves(device_type, dtype, cache_kind, head_dim) and (flash_available or k.name != "flash")]
     for kernel in serving:
         if name in (None, kernel.name):
             return kernel
@@ -56,7 +62,8 @@ def pick(device_type: str, dtype: torch.dtype, cache_kind: str, name: str | None
     if not flash_available and KERNELS["flash"] in wanted:
         reasons += "; flash-attn is not installed"
     whom = "no attention kernel serves" if name is None else f"attention kernel {name!r} cannot serve"
-    raise ValueError(f"{whom} {device_type}, {_dtype_name(dtype)}, a {cache_kind} cache ({reasons}); "
+    raise ValueError(f"{whom} {device_type}, {_dtype_name(dtype)}, a {cache_kind} cache, head_dim {head_dim} "
+                     f"({reasons}); "
                      f"the kernels that can: {', '.join(repr(k.name) for k in serving) or 'none'}")
 
 

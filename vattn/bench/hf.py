@@ -18,6 +18,7 @@ from transformers import AttentionInterface
 from transformers.generation.streamers import BaseStreamer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+import vattn.integrations.hf  # noqa: F401  (registers "vattn_native")
 from vattn.generate import CACHES, kv_bytes, make_cache
 from vattn.report import console, print_table, write_json
 

@@ -2,8 +2,11 @@
 vLLM's CPU paged attention kernel over its own block pool.
 
 - `vattn`: a `VirtualKVCache` with the engine's default layout and page size
-  for the device (`per_head`, 8 KiB on the host), read through `rows_kv`
-  (zero-copy strided views);
+  for the device (`per_head`, 8 KiB on the host), read by SDPA through
+  `rows_kv` (zero-copy strided views);
+- `vattn_native` (host only): the same cache read in place by vattn's own
+  kernel (`vattn.attention.native`, the engine's default on the host), one
+  call for all of a point's requests, each reading its own rows;
 - `vattn_interleaved` (host only; the engine's CUDA layout already is): the
   same cache in the `interleaved` layout, where a token's K/V of every layer
   lie side by side, so one layer's rows are strided by all layers' bytes;
@@ -70,7 +73,8 @@ import torch
 from rich.progress import Progress
 
 from vattn import attention
-from vattn.attention import StepBatch, decode, prefill
+from vattn.attention import StepBatch, decode, native, prefill
+from vattn.attention.registry import KERNELS
 from vattn.bench import peers
 from vattn.bench.plots import line_chart
 from vattn.bench.shapes import LLAMA_3_8B, SMOLLM2_135M
@@ -81,9 +85,12 @@ from vattn.engine import EngineConfig
 from vattn.kv.paged import PagedKVCache
 
 MODELS = {"SmolLM2-135M": SMOLLM2_135M, "Llama-3-8B": LLAMA_3_8B}
-LAYOUTS = ("vattn", "vattn_interleaved", "contiguous", "paged_gather")
+LAYOUTS = ("vattn", "vattn_native", "vattn_interleaved", "contiguous", "paged_gather")
 VLLM, BLOCK_SIZES = "vllm_paged", (16, 128)
 GOALS = {"vattn/contiguous": 1.05, "vattn/paged_gather": 0.6}  # at most: float32 decode, batch 8, context 2048
+# vattn_native at most these times vLLM's kernel (its faster block size) and the bandwidth floor, float32 decode
+NATIVE_GOALS = {("Llama-3-8B", 32, "mixed"): {"vllm": 0.7}, ("Llama-3-8B", 8, "uniform"): {"vllm": 0.8, "floor": 1.5},
+                ("SmolLM2-135M", 32, "mixed"): {"vllm": 0.8}, ("SmolLM2-135M", 8, "uniform"): {"vllm": 0.8}}
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # vllm_paged's max |out - SDPA in float32|
 READ_BYTES = 1 << 30  # summed to measure the read bandwidth
 
@@ -122,7 +129,7 @@ def layouts(device: str) -> tuple[str, ...]:
     """The layouts measured in this process."""
     cuda = device != "cpu"
     flash = cuda and attention.flash_attn_with_kvcache is not None
-    return tuple(n for n in LAYOUTS if not (cuda and n == "vattn_interleaved")) + (
+    return tuple(n for n in LAYOUTS if not (cuda and n in ("vattn_native", "vattn_interleaved"))) + (
         ("vattn_flash", "contiguous_flash") if flash else ())
 
 
@@ -160,6 +167,8 @@ def make_layouts(model: str, dtype: torch.dtype, lengths: list[int], device: str
             if cache is not contiguous:
                 assert cache.allocate(length) == slot
                 cache.write(0, [slot], [0], k, v)
+    if "vattn_native" in names:
+        caches["vattn_native"] = caches["vattn"]
     if "vattn_flash" in names:
         caches["vattn_flash"] = caches["vattn"]
         caches["contiguous_flash"] = caches["contiguous"].k.transpose(1, 2), caches["contiguous"].v.transpose(1, 2)
@@ -183,13 +192,24 @@ def kernel(phase: str, cache, q: torch.Tensor, lengths: list[int], name: str = "
     B, scale = q.shape[0], q.shape[-1] ** -0.5
     if name.endswith("_flash"):
         return _flash_kernel(phase, cache, q, lengths, name)
+    if name == "vattn_native":
+        return _native_kernel(cache, q, lengths)
     if phase == "decode":
-        step = StepBatch(cache, list(range(B)), [length - 1 for length in lengths], [])
+        step = StepBatch(cache, list(range(B)), [length - 1 for length in lengths], [], KERNELS["sdpa"])
         step.decode_mask(None)
         return lambda: decode(step, 0, q, scale, None)
     n = q.shape[1]
     return lambda: torch.stack([prefill(q[i], *(t[0] for t in cache.rows_kv(0, i, i + 1, length)), length - n, scale,
                                         None) for i, length in enumerate(lengths)])
+
+
+def _native_kernel(cache, q: torch.Tensor, lengths: list[int]):
+    """One native call for every request (decode `q [B, H, D]`, prefill `[B, n, H, D]`)."""
+    n = 1 if q.dim() == 3 else q.shape[1]
+    flat = q.reshape(-1, *q.shape[-2:])
+    table = native.requests((i, 0, length, i * n, n) for i, length in enumerate(lengths))
+    K, V = cache.layer_kv(0)
+    return lambda: native.attend(flat, K, V, table, q.shape[-1] ** -0.5).view(q.shape)
 
 
 def _flash_kernel(phase: str, cache, q: torch.Tensor, lengths: list[int], name: str):
@@ -318,8 +338,9 @@ def run(json_path: str | None, plot_dir: str | None, batches: list[int] = [1, 8,
     for row in rows:
         by_point[Point(*(row[k] for k in KEY))][column(row)] = row["ms"]
     columns = list(dict.fromkeys(column(row) for row in rows))
-    against = [*GOALS, *(f"vattn/{c}" for c in columns if c.startswith(VLLM))]
-    ratios = {point: {r: by["vattn"] / by[r.split("/")[1]] for r in against} for point, by in by_point.items()}
+    mine = ["vattn"] + (["vattn_native"] if "vattn_native" in columns else [])
+    against = [*GOALS, *(f"{m}/{c}" for m in mine for c in columns if c.startswith(VLLM))]
+    ratios = {point: {r: by[r.split("/")[0]] / by[r.split("/")[1]] for r in against} for point, by in by_point.items()}
     print_table(f"attention kernel time on {device}, layer 0 (ms, median of {repeats}; ×: multiple of the bandwidth "
                 f"floor, the live K/V read at {gb_per_s:.1f} GB/s)", [*KEY, "floor ms", *columns, *against],
                 [[*point, floors[point], *(f"{_ms(by[c])} ×{by[c] / floors[point]:.1f}" for c in columns),
@@ -332,15 +353,38 @@ def run(json_path: str | None, plot_dir: str | None, batches: list[int] = [1, 8,
             console.print(f"target, {model} fp32 decode batch 8 context 2048: "
                           + ", ".join(f"{k} {r[k]:.3f} (goal ≤ {goal})" for k, goal in GOALS.items())
                           + (" met" if targets[model]["met"] else " MISSED"))
+    native_targets = native_goals(by_point, floors)
+    for t in native_targets:
+        console.print(f"target, vattn_native {t['model']} fp32 decode batch {t['batch']} {t['lengths']} context 2048: "
+                      + ", ".join(f"{k} {t['measured'][k]:.3f} (goal ≤ {t['at_most'][k]})" for k in t["at_most"])
+                      + (" met" if t["met"] else " MISSED"))
     result = {"device": device, "torch": torch.__version__, "read_gb_per_s": gb_per_s,
               "threads": {"vattn": torch.get_num_threads(), **({VLLM: peer["threads"]} if peer else {})},
               "vllm": {k: peer[k] for k in ("vllm", "torch", "isa")} if peer else None, "rows": rows,
               "targets": {"phase": "decode", "dtype": "float32", "batch": 8, "context": 2048, "lengths": "uniform",
-                          "at_most": GOALS, "measured": targets}}
+                          "at_most": GOALS, "measured": targets}, "native_targets": native_targets}
     write_json(json_path, result)
     if plot_dir:
         _plot(Path(plot_dir), by_point, floors, columns)
     return result
+
+
+def native_goals(by_point: dict, floors: dict) -> list[dict]:
+    """`NATIVE_GOALS` where this run measured them: vattn_native over the
+    faster vllm_paged block size and over the bandwidth floor."""
+    out = []
+    for (model, batch, kind), goals in NATIVE_GOALS.items():
+        point = Point("decode", "float32", model, batch, 2048, kind)
+        by = by_point.get(point, {})
+        vllm = [ms for c, ms in by.items() if c.startswith(VLLM)]
+        if "vattn_native" not in by or ("vllm" in goals and not vllm):
+            continue
+        measured = {"vllm": by["vattn_native"] / min(vllm) if vllm else None,
+                    "floor": by["vattn_native"] / floors[point]}
+        measured = {k: measured[k] for k in goals}
+        out.append(dict(model=model, batch=batch, lengths=kind, at_most=goals, measured=measured,
+                        met=all(measured[k] <= goal for k, goal in goals.items())))
+    return out
 
 
 def _ms(ms: float) -> str:

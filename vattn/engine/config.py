@@ -18,7 +18,9 @@ class EngineConfig:
     at most `gpu_memory_utilization` of the free device memory unless
     `memory_budget` says.  With `enable_prefix_caching` a prompt resumes the
     whole pages another request computed for the same tokens.  `kv_cache="paged"` runs the same engine on the
-    paged baseline (`vattn.PagedKVCache`, blocks of `block_size` tokens)."""
+    paged baseline (`vattn.PagedKVCache`, blocks of `block_size` tokens).
+    `attention` names the attention kernel (`vattn.attention.registry.KERNELS`:
+    "native", "flash", "sdpa"); None takes the first that serves the cache."""
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 256
@@ -34,6 +36,7 @@ class EngineConfig:
     deferred_reclamation: bool = True
     kv_cache: str = "virtual"
     block_size: int = 16
+    attention: str | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len", "block_size"):

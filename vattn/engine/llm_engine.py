@@ -37,7 +37,7 @@ class LLMEngine:
                       else VirtualKVCache(cache_config))
         self.kv = KVCacheManager(self.cache, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, config.attention)
         self.model, self.tokenizer = model, tokenizer
         self.worker = MapWorker() if config.map_ahead else None
         self.requests: dict[str, Request] = {}

@@ -8,12 +8,17 @@ sample come back.
 import torch
 
 from vattn import attention
+from vattn.attention import registry
 from vattn.engine.plan import StepPlan
 from vattn.kv.slots import SlotCache
 
 
 class ModelRunner:
-    def __init__(self, model, cache: SlotCache):
+    def __init__(self, model, cache: SlotCache, kernel: str | None = None):
+        """`kernel`: the attention kernel by name (`registry.KERNELS`); None:
+        the first that serves the cache's device, dtype, kind and head dim."""
+        c = cache.config
+        self.kernel = registry.pick(cache.device.type, c.dtype, cache.kind, c.head_dim, kernel)
         attention.register()
         self.model, self.cache = model.eval(), cache
         self._model_attention = model.config._attn_implementation  # given back by close()
@@ -22,7 +27,7 @@ class ModelRunner:
     def run(self, plan: StepPlan) -> torch.Tensor:
         """Logits `[rows, vocab]` (on the host), a row per work that samples, in plan order."""
         batch = attention.StepBatch(self.cache, [w.slot for w in plan.decodes], [w.start for w in plan.decodes],
-                                    [(w.slot, w.start, w.num_tokens) for w in plan.prefills])
+                                    [(w.slot, w.start, w.num_tokens) for w in plan.prefills], self.kernel)
         ids, rows = [], []
         for w in plan.work:
             ids += w.seq.token_ids[w.start:w.start + w.num_tokens]

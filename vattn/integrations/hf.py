@@ -7,13 +7,22 @@ every layer writes its new K/V in place and gets back strided views over the
 live tokens, `[batch, kv_heads, tokens, head_dim]`, with no copy.  Beam
 reordering, `batch_select_indices` and `batch_repeat_interleave` remap pages
 (sharing them) instead of copying the history.
+
+On the host the model should run `attn_implementation="vattn_native"`
+(`VAttnCache.attn_implementation` names it): vattn's own kernel reads those
+views in place, each row from its first unpadded token.
 """
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from vattn.attention import registry
+from vattn.attention import native, registry
 from vattn.config import CacheConfig
 from vattn.kv.virtual import VirtualKVCache
+
+NATIVE = "vattn_native"
 
 
 class KVMemoryError(MemoryError):
@@ -56,7 +65,7 @@ class VAttnLayer(CacheLayerMixin):
 class VAttnCache(Cache):
     def __init__(self, config: CacheConfig):
         self.kv = VirtualKVCache(config)
-        self.kernel = registry.pick(self.kv.device.type, config.dtype, self.kv.kind)
+        self.kernel = registry.pick(self.kv.device.type, config.dtype, self.kv.kind, config.head_dim)
         super().__init__(layers=[VAttnLayer(self, i) for i in range(config.num_layers)])
         self.rows = 0  # batch rows; row i is slot i
         self._capacity = 0  # tokens every row is sized for (kept here: it is checked on every update)
@@ -64,10 +73,10 @@ class VAttnCache(Cache):
     @property
     def attn_implementation(self) -> str:
         """The transformers attention a model should run over this cache's views
-        (`store` returns them; the model's own attention reads them): FlashAttention
-        where the registry picks it for the cache's device, dtype and kind, else
-        torch SDPA."""
-        return "flash_attention_2" if self.kernel.name == "flash" else "sdpa"
+        (`store` returns them): the kernel the registry picks for the cache's
+        device, dtype, kind and head dim, as transformers names it (vattn's
+        own is `native_attention`, registered as "vattn_native")."""
+        return {"native": NATIVE, "flash": "flash_attention_2"}.get(self.kernel.name, "sdpa")
 
     @classmethod
     def from_model(cls, model, max_num_seqs: int, max_seq_len: int, *, layout: str | None = None,
@@ -196,3 +205,45 @@ class VAttnCache(Cache):
     def stats(self):
         return self.kv.stats()
 
+
+
+def native_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                     **kwargs):
+    """transformers' attention interface over `VAttnCache`'s views: `key`/`value
+    [B, H_kv, L, D]` are the cache's own rows, read in place by the native
+    kernel, row b from its first unmasked token.  What that cannot express
+    (a mask other than a left-padded causal band, dropout, soft-capping,
+    sinks, a dtype or head dim it does not take) runs on transformers' SDPA."""
+    B, H, T, D = query.shape
+    L = key.shape[2]
+    starts = _band_starts(attention_mask, B, T, L, sliding_window)
+    if (starts is None or dropout or kwargs.get("softcap") or kwargs.get("s_aux") is not None
+            or query.dtype not in native.DTYPES or not native.serves_head_dim(D) or query.device.type != "cpu"):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      sliding_window=sliding_window, **kwargs)
+    table = native.requests((b, start, L, b * T, T) for b, start in enumerate(starts))
+    out = native.attend(query.transpose(1, 2).reshape(B * T, H, D), key.transpose(1, 2), value.transpose(1, 2),
+                        table, D ** -0.5 if scaling is None else scaling, sliding_window)
+    return out.view(B, T, H, D), None
+
+
+def _band_starts(mask, B: int, T: int, L: int, window: int | None) -> list[int] | None:
+    """Row b's first key where `mask [B, 1, T, L]` is the causal band of
+    queries at L - T.. over keys from there (within `window`), else None."""
+    if T > L:
+        return None
+    if mask is None:
+        return [0] * B
+    if mask.dtype != torch.bool or mask.shape != (B, 1, T, L):
+        return None
+    first = mask[:, 0, 0].int().argmax(-1)  # the first query's first key
+    keys = torch.arange(L, device=mask.device)
+    queries = torch.arange(L - T, L, device=mask.device)[:, None]
+    band = (keys >= first[:, None, None]) & (keys <= queries)
+    if window is not None:
+        band &= keys > queries - window
+    return first.tolist() if torch.equal(band, mask[:, 0]) else None
+
+
+AttentionInterface.register(NATIVE, native_attention)
+AttentionMaskInterface.register(NATIVE, sdpa_mask)

@@ -1,0 +1,515 @@
+/*
+ * attend(): attention of query tokens over strided K/V views, each request
+ * reading its own rows [start, length) and nothing else, so it is safe over a
+ * reservation with no pages (and no zero page) past a request's length.
+ *
+ * A request's num_q queries are its last tokens, at positions
+ * length - num_q .. length - 1 (decode: one; a prefill chunk with history:
+ * several), each attending causally (bottom-right) to the rows
+ * [max(start, pos + 1 - window), pos] (window 0: no window).  Grouped-query
+ * attention: query head h reads K/V head h / (H / H_kv), and one tile holds
+ * the queries of a K/V head, so each K and V row is read from memory once for
+ * all of them.  K/V in float32 or bfloat16, everything summed in float32,
+ * softmax online (streaming) in blocks of BLOCK rows.
+ *
+ * Work: tiles (request, K/V head, up to TILE query vectors) are cut along the
+ * rows into splits when there are too few for the threads; splits run on a
+ * pool of threads with the GIL released, longest first, and a tile's splits
+ * are merged (flash-decoding).  Inner loops use GCC vector types: the body is
+ * compiled once for AVX2/FMA and once for the baseline ISA, and the CPU picks
+ * at run time.
+ *
+ * Every argument is checked before anything is written: a bad call raises
+ * ValueError and leaves the output as it was.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "attention.h"
+
+/* the vector helpers are all inlined: no vector crosses a call */
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+enum { BLOCK = 8, TILE = 16, MAX_HEAD_DIM = 256, MIN_SPLIT = 256, SERIAL_ROWS = 8192 };
+enum { F32 = 0, BF16 = 1 };
+enum { REQ_SLOT, REQ_START, REQ_LENGTH, REQ_Q_FIRST, REQ_NUM_Q, REQ_FIELDS };
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v8f_u __attribute__((vector_size(32), aligned(1)));
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* ------------------------------------------------------------ vector helpers */
+
+INLINE float scalar(const void *row, int64_t d, int bf16) {
+    if (!bf16) return ((const float *)row)[d];
+    uint32_t bits = (uint32_t)((const uint16_t *)row)[d] << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+INLINE void store(void *row, int64_t d, float f, int bf16) {
+    if (!bf16) {
+        ((float *)row)[d] = f;
+        return;
+    }
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    uint16_t h = (bits & 0x7fffffff) > 0x7f800000 ? 0x7fc0 : (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+    ((uint16_t *)row)[d] = h;
+}
+
+INLINE void prefetch_row(const char *row, int64_t nbytes) {
+    for (int64_t at = 0; at < nbytes; at += 64) __builtin_prefetch(row + at, 0, 2);
+}
+
+INLINE v8f blend(v8i mask, v8f a, v8f b) { return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask)); }
+
+/* e^x, 8 lanes (Cephes' expf: Cody-Waite reduction, degree-6 polynomial; ~1 ulp). */
+INLINE v8f vexp(v8f x) {
+    const v8f lo = (v8f){} - 87.33654f, hi = (v8f){} + 88.37626f, magic = (v8f){} + 12582912.0f;
+    x = blend(x < lo, lo, blend(x > hi, hi, x));
+    v8f t = x * 1.44269504088896341f + magic;  /* round to nearest, as the float's low bits */
+    v8f n = t - magic;
+    v8i e = ((v8i)t - (v8i)magic + 127) << 23;
+    v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v8f y = (v8f){} + 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    return y * (v8f)e;
+}
+
+/* Lane i of the result: the sum of x[i]'s lanes. */
+INLINE v8f reduce8(const v8f x[8]) {
+#define PAIRS(a, b) (__builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) + \
+                     __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15))
+#define QUADS(a, b) (__builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) + \
+                     __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15))
+    v8f u0 = QUADS(PAIRS(x[0], x[1]), PAIRS(x[2], x[3]));
+    v8f u1 = QUADS(PAIRS(x[4], x[5]), PAIRS(x[6], x[7]));
+#undef PAIRS
+#undef QUADS
+    return __builtin_shufflevector(u0, u1, 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+INLINE float hmax(v8f x) {
+    v8f y = __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3);
+    x = blend(x > y, x, y);
+    y = __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5);
+    x = blend(x > y, x, y);
+    y = __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6);
+    x = blend(x > y, x, y);
+    return x[0];
+}
+
+INLINE float hsum(v8f x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
+
+/* ------------------------------------------------------------ the call */
+
+typedef struct {
+    int64_t req;      /* its request */
+    int head;         /* its K/V head */
+    int j0, nq;       /* its queries: j0 .. j0 + nq - 1 of the request's G·num_q, token-major */
+    int64_t lo, hi;   /* the rows its queries read, together */
+    int splits;       /* > 1: its partial results go to `partial`, merged after */
+    float *partial;   /* splits × (max[nq], sum[nq], acc[nq][D]) */
+} Tile;
+
+typedef struct {
+    Tile *tile;
+    int split;
+    int64_t lo, hi;   /* the rows this split reads */
+} Item;
+
+typedef struct {
+    const char *q, *k, *v;
+    char *out;
+    int bf16;
+    int64_t T, H, D, S, L, Hkv, G;
+    int64_t q_token, q_head, out_token, out_head;       /* strides, elements */
+    int64_t kv_slot, kv_row, kv_head;                   /* K's */
+    int64_t v_slot, v_row, v_head;                      /* V's */
+    const int64_t *reqs;
+    int64_t num_reqs, window;
+    float scale;
+    Item *items;
+    int64_t num_items;
+    atomic_long next;
+} Call;
+
+/* Query j of a tile: its token and head within the request, and its rows. */
+INLINE void query_rows(const Call *c, const int64_t *r, int64_t j, int64_t *lo, int64_t *hi) {
+    int64_t pos = r[REQ_LENGTH] - r[REQ_NUM_Q] + j / c->G;
+    int64_t first = c->window ? pos + 1 - c->window : 0;
+    *lo = first > r[REQ_START] ? first : r[REQ_START];
+    *hi = pos + 1;
+}
+
+/* The kernel at two vector widths: 16 lanes for AVX-512, 8 for AVX2 and the baseline. */
+#define W 16
+#include "attention_kernel.h"
+#undef W
+#define W 8
+#include "attention_kernel.h"
+#undef W
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) static void run_items_avx512(Call *c) { run_items_w16(c); }
+__attribute__((target("avx2,fma"))) static void run_items_avx2(Call *c) { run_items_w8(c); }
+static void run_items_baseline(Call *c) { run_items_w8(c); }
+
+static int has_avx2(void) { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+static int has_avx512(void) {
+    return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+}
+static int has_baseline(void) { return 1; }
+
+/* The instruction sets, best first. */
+static const struct {
+    const char *name;
+    void (*run)(Call *);
+    int (*supported)(void);
+} ISAS[] = {{"avx512", run_items_avx512, has_avx512}, {"avx2", run_items_avx2, has_avx2},
+            {"baseline", run_items_baseline, has_baseline}};
+enum { NUM_ISAS = sizeof(ISAS) / sizeof(ISAS[0]) };
+static int isa = NUM_ISAS - 1;
+#define run_items_isa ISAS[isa].run
+
+/* The tile's splits, merged into its output rows. */
+static void merge(const Call *c, const Tile *tile) {
+    const int64_t *r = c->reqs + tile->req * REQ_FIELDS;
+    const int64_t D = c->D, G = c->G, esize = c->bf16 ? 2 : 4;
+    const int nq = tile->nq;
+    for (int i = 0; i < nq; i++) {
+        float best = -__builtin_inff(), sum = 0, acc[MAX_HEAD_DIM] = {0};
+        for (int s = 0; s < tile->splits; s++) {
+            const float *part = tile->partial + s * nq * (D + 2);
+            best = part[i] > best ? part[i] : best;
+        }
+        for (int s = 0; s < tile->splits; s++) {
+            const float *part = tile->partial + s * nq * (D + 2);
+            if (part[nq + i] == 0) continue;  /* a split none of whose rows this query reads */
+            float w = vexp((v8f){} + (part[i] - best))[0];
+            sum += part[nq + i] * w;
+            for (int64_t d = 0; d < D; d++) acc[d] += part[2 * nq + i * D + d] * w;
+        }
+        int64_t j = tile->j0 + i, token = r[REQ_Q_FIRST] + j / G, head = tile->head * G + j % G;
+        char *row = c->out + (token * c->out_token + head * c->out_head) * esize;
+        for (int64_t d = 0; d < D; d++) store(row, d, acc[d] / sum, c->bf16);
+    }
+}
+
+/* ------------------------------------------------------------ the thread pool */
+
+static struct {
+    pthread_mutex_t mu, call;  /* call: one parallel call at a time */
+    pthread_cond_t go, done;
+    int size, wanted, busy;
+    unsigned long generation;
+    Call *job;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, NULL};
+
+static void *worker(void *arg) {
+    int index = (int)(intptr_t)arg;
+    unsigned long seen = 0;
+    pthread_mutex_lock(&pool.mu);
+    for (;;) {
+        while (pool.generation == seen) pthread_cond_wait(&pool.go, &pool.mu);
+        seen = pool.generation;
+        if (index >= pool.wanted) continue;
+        Call *job = pool.job;
+        pthread_mutex_unlock(&pool.mu);
+        run_items_isa(job);
+        pthread_mutex_lock(&pool.mu);
+        if (--pool.busy == 0) pthread_cond_signal(&pool.done);
+    }
+    return NULL;
+}
+
+/* A child after fork() has none of the parent's workers. */
+static void pool_after_fork(void) {
+    pool.size = pool.wanted = pool.busy = 0;
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_mutex_init(&pool.call, NULL);
+    pthread_cond_init(&pool.go, NULL);
+    pthread_cond_init(&pool.done, NULL);
+}
+
+/* Run the call's items on `threads` threads, this one among them. */
+static void run_parallel(Call *c, int threads) {
+    pthread_mutex_lock(&pool.call);
+    pthread_mutex_lock(&pool.mu);
+    while (pool.size < threads - 1) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&t, &attr, worker, (void *)(intptr_t)pool.size);
+        pthread_attr_destroy(&attr);
+        if (failed) break;  /* fewer threads: the same result */
+        pool.size++;
+    }
+    pool.wanted = pool.busy = threads - 1 < pool.size ? threads - 1 : pool.size;
+    pool.job = c;
+    pool.generation++;
+    pthread_cond_broadcast(&pool.go);
+    pthread_mutex_unlock(&pool.mu);
+    run_items_isa(c);
+    pthread_mutex_lock(&pool.mu);
+    while (pool.busy) pthread_cond_wait(&pool.done, &pool.mu);
+    pthread_mutex_unlock(&pool.mu);
+    pthread_mutex_unlock(&pool.call);
+}
+
+/* ------------------------------------------------------------ checking and planning */
+
+typedef struct {
+    unsigned long long ptr;
+    int dtype;
+    long long shape[4], stride[4];
+} View;
+
+static int parse_view(PyObject *arg, const char *name, int ndim, View *v) {
+    const char *format = ndim == 3 ? "KiLLLLLL" : "KiLLLLLLLL";
+    int ok = ndim == 3 ? PyArg_ParseTuple(arg, format, &v->ptr, &v->dtype, &v->shape[0], &v->shape[1],
+                                          &v->shape[2], &v->stride[0], &v->stride[1], &v->stride[2])
+                       : PyArg_ParseTuple(arg, format, &v->ptr, &v->dtype, &v->shape[0], &v->shape[1],
+                                          &v->shape[2], &v->shape[3], &v->stride[0], &v->stride[1],
+                                          &v->stride[2], &v->stride[3]);
+    if (!ok) {
+        PyErr_Format(PyExc_TypeError, "%s: expected (address, dtype, %d sizes, %d strides)", name, ndim, ndim);
+        return -1;
+    }
+    if (v->dtype != F32 && v->dtype != BF16) {
+        PyErr_Format(PyExc_ValueError, "%s: the kernel reads float32 or bfloat16, not dtype code %d", name, v->dtype);
+        return -1;
+    }
+    for (int i = 0; i < ndim; i++)
+        if (v->shape[i] < 0 || v->stride[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "%s: negative size or stride in dimension %d", name, i);
+            return -1;
+        }
+    if (v->stride[ndim - 1] != 1 && v->shape[ndim - 1] > 1) {
+        PyErr_Format(PyExc_ValueError, "%s: its last dimension is not contiguous (stride %lld)", name,
+                     v->stride[ndim - 1]);
+        return -1;
+    }
+    return 0;
+}
+
+#define FAIL(...) (PyErr_Format(PyExc_ValueError, __VA_ARGS__), -1)
+
+static int check(const View *q, const View *out, const View *k, const View *v, const int64_t *reqs,
+                 int64_t n, long long window) {
+    if (q->dtype != out->dtype || q->dtype != k->dtype || q->dtype != v->dtype)
+        return FAIL("q, out, k and v must have one dtype (codes %d, %d, %d, %d)", q->dtype, out->dtype, k->dtype,
+                    v->dtype);
+    for (int i = 0; i < 4; i++)
+        if (k->shape[i] != v->shape[i])
+            return FAIL("k and v differ in size %d: %lld and %lld", i, k->shape[i], v->shape[i]);
+    long long D = q->shape[2], H = q->shape[1], Hkv = k->shape[2];
+    if (k->shape[3] != D) return FAIL("q has head_dim %lld; k and v have %lld", D, k->shape[3]);
+    if (D % 16 || D < 16 || D > MAX_HEAD_DIM)
+        return FAIL("head_dim %lld: the kernel takes multiples of 16 up to %d", D, MAX_HEAD_DIM);
+    if (Hkv < 1 || H % Hkv) return FAIL("%lld query heads do not divide into %lld K/V heads", H, Hkv);
+    if (window < 0) return FAIL("window %lld is negative (0: none)", window);
+    for (int i = 0; i < 3; i++)
+        if (q->shape[i] != out->shape[i])
+            return FAIL("out is [%lld, %lld, %lld]; q is [%lld, %lld, %lld]", out->shape[0], out->shape[1],
+                        out->shape[2], q->shape[0], q->shape[1], q->shape[2]);
+
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t *r = reqs + i * REQ_FIELDS;
+        if (r[REQ_SLOT] < 0 || r[REQ_SLOT] >= k->shape[0])
+            return FAIL("request %lld: slot %lld is outside the view's %lld slots", (long long)i,
+                        (long long)r[REQ_SLOT], k->shape[0]);
+        if (r[REQ_NUM_Q] < 0 || r[REQ_LENGTH] < 0 || r[REQ_START] < 0)
+            return FAIL("request %lld: negative start, length or query count (%lld, %lld, %lld)", (long long)i,
+                        (long long)r[REQ_START], (long long)r[REQ_LENGTH], (long long)r[REQ_NUM_Q]);
+        if (r[REQ_LENGTH] > k->shape[1])
+            return FAIL("request %lld: length %lld is past the view's %lld rows", (long long)i,
+                        (long long)r[REQ_LENGTH], k->shape[1]);
+        if (r[REQ_NUM_Q] > r[REQ_LENGTH])
+            return FAIL("request %lld: %lld queries in %lld tokens (its queries are its last tokens)",
+                        (long long)i, (long long)r[REQ_NUM_Q], (long long)r[REQ_LENGTH]);
+        if (r[REQ_NUM_Q] && r[REQ_START] > r[REQ_LENGTH] - r[REQ_NUM_Q])
+            return FAIL("request %lld: start %lld is past its first query's position %lld", (long long)i,
+                        (long long)r[REQ_START], (long long)(r[REQ_LENGTH] - r[REQ_NUM_Q]));
+        if (r[REQ_Q_FIRST] < 0 || r[REQ_Q_FIRST] + r[REQ_NUM_Q] > q->shape[0])
+            return FAIL("request %lld: query rows %lld..%lld are outside q's %lld tokens", (long long)i,
+                        (long long)r[REQ_Q_FIRST], (long long)(r[REQ_Q_FIRST] + r[REQ_NUM_Q]), q->shape[0]);
+    }
+    return 0;
+}
+
+static int by_rows_descending(const void *a, const void *b) {
+    int64_t x = ((const Item *)a)->hi - ((const Item *)a)->lo, y = ((const Item *)b)->hi - ((const Item *)b)->lo;
+    return (x < y) - (x > y);
+}
+
+/* Tiles and their splits; on success *tiles_out and c->items are malloc'd. */
+static int plan(Call *c, int threads, Tile **tiles_out, float **partials_out) {
+    int64_t num_tiles = 0, rows = 0;
+    for (int64_t i = 0; i < c->num_reqs; i++) num_tiles += c->Hkv * ((c->G * c->reqs[i * REQ_FIELDS + REQ_NUM_Q] + TILE - 1) / TILE);
+    Tile *tiles = calloc(num_tiles ? num_tiles : 1, sizeof(Tile));
+    if (!tiles) return -1;
+    int64_t t = 0;
+    for (int64_t i = 0; i < c->num_reqs; i++) {
+        const int64_t *r = c->reqs + i * REQ_FIELDS;
+        for (int64_t h = 0; h < c->Hkv; h++)
+            for (int64_t j0 = 0; j0 < c->G * r[REQ_NUM_Q]; j0 += TILE, t++) {
+                Tile *tile = &tiles[t];
+                int64_t nq = c->G * r[REQ_NUM_Q] - j0, unused;
+                tile->req = i;
+                tile->head = (int)h;
+                tile->j0 = (int)j0;
+                tile->nq = (int)(nq < TILE ? nq : TILE);
+                query_rows(c, r, j0, &tile->lo, &unused);
+                query_rows(c, r, j0 + tile->nq - 1, &unused, &tile->hi);
+                rows += tile->hi - tile->lo;
+            }
+    }
+    /* splits of at least MIN_SPLIT rows, about four items per thread */
+    int64_t chunk = threads > 1 ? rows / (4 * threads) : rows;
+    chunk = chunk < MIN_SPLIT ? MIN_SPLIT : (chunk + BLOCK - 1) / BLOCK * BLOCK;
+    int64_t num_items = 0, partial = 0;
+    for (t = 0; t < num_tiles; t++) {
+        tiles[t].splits = (int)((tiles[t].hi - tiles[t].lo + chunk - 1) / chunk);
+        num_items += tiles[t].splits;
+        if (tiles[t].splits > 1) partial += tiles[t].splits * tiles[t].nq * (c->D + 2);
+    }
+    Item *items = malloc((num_items ? num_items : 1) * sizeof(Item));
+    float *partials = malloc((partial ? partial : 1) * sizeof(float));
+    if (!items || !partials) {
+        free(tiles);
+        free(items);
+        free(partials);
+        return -1;
+    }
+    int64_t n = 0;
+    float *next_partial = partials;
+    for (t = 0; t < num_tiles; t++) {
+        Tile *tile = &tiles[t];
+        if (tile->splits > 1) {
+            tile->partial = next_partial;
+            next_partial += tile->splits * tile->nq * (c->D + 2);
+        }
+        int64_t per = (tile->hi - tile->lo + tile->splits - 1) / tile->splits;
+        per = (per + BLOCK - 1) / BLOCK * BLOCK;
+        for (int s = 0; s < tile->splits; s++, n++) {
+            items[n].tile = tile;
+            items[n].split = s;
+            items[n].lo = tile->lo + s * per;
+            items[n].hi = tile->lo + (s + 1) * per < tile->hi ? tile->lo + (s + 1) * per : tile->hi;
+        }
+    }
+    qsort(items, num_items, sizeof(Item), by_rows_descending);
+    c->items = items;
+    c->num_items = num_items;
+    *tiles_out = tiles;
+    *partials_out = partials;
+    return (int)(rows >= SERIAL_ROWS);  /* worth the other threads */
+}
+
+PyObject *attend(PyObject *mod, PyObject *args) {
+    PyObject *qa, *outa, *ka, *va;
+    Py_buffer reqs;
+    double scale;
+    long long window;
+    int threads;
+    if (!PyArg_ParseTuple(args, "OOOOy*dLi", &qa, &outa, &ka, &va, &reqs, &scale, &window, &threads)) return NULL;
+    View q, out, k, v;
+    PyObject *result = NULL;
+    if (parse_view(qa, "q", 3, &q) || parse_view(outa, "out", 3, &out) || parse_view(ka, "k", 4, &k) ||
+        parse_view(va, "v", 4, &v))
+        goto done;
+    if (reqs.len % (REQ_FIELDS * sizeof(int64_t))) {
+        PyErr_Format(PyExc_ValueError, "requests: %d int64 fields each (slot, start, length, q_first, num_q)",
+                     REQ_FIELDS);
+        goto done;
+    }
+    int64_t n = reqs.len / (REQ_FIELDS * sizeof(int64_t));
+    if (threads < 1) {
+        PyErr_Format(PyExc_ValueError, "threads must be at least 1, got %d", threads);
+        goto done;
+    }
+    if (check(&q, &out, &k, &v, reqs.buf, n, window)) goto done;
+    Call c = {
+        .q = (const char *)(uintptr_t)q.ptr, .k = (const char *)(uintptr_t)k.ptr,
+        .v = (const char *)(uintptr_t)v.ptr, .out = (char *)(uintptr_t)out.ptr, .bf16 = q.dtype == BF16,
+        .T = q.shape[0], .H = q.shape[1], .D = q.shape[2], .S = k.shape[0], .L = k.shape[1], .Hkv = k.shape[2],
+        .G = q.shape[1] / k.shape[2], .q_token = q.stride[0], .q_head = q.stride[1], .out_token = out.stride[0],
+        .out_head = out.stride[1], .kv_slot = k.stride[0], .kv_row = k.stride[1], .kv_head = k.stride[2],
+        .v_slot = v.stride[0], .v_row = v.stride[1], .v_head = v.stride[2], .reqs = reqs.buf, .num_reqs = n,
+        .window = window, .scale = (float)scale,
+    };
+    atomic_init(&c.next, 0);
+    Tile *tiles;
+    float *partials;
+    int parallel;
+    Py_BEGIN_ALLOW_THREADS
+    parallel = plan(&c, threads, &tiles, &partials);
+    if (parallel > 0 && threads > 1)
+        run_parallel(&c, threads);
+    else if (parallel >= 0)
+        run_items_isa(&c);
+    if (parallel >= 0) {
+        for (int64_t i = 0; i < c.num_items; i++)
+            if (c.items[i].split == 0 && c.items[i].tile->splits > 1) merge(&c, c.items[i].tile);
+        free(tiles);
+        free(partials);
+        free(c.items);
+    }
+    Py_END_ALLOW_THREADS
+    if (parallel < 0)
+        PyErr_NoMemory();
+    else
+        result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&reqs);
+    return result;
+}
+
+PyObject *attention_isa(PyObject *mod, PyObject *args) {
+    const char *want = NULL;
+    if (!PyArg_ParseTuple(args, "|z", &want)) return NULL;
+    if (want) {
+        int found = -1;
+        for (int i = 0; i < NUM_ISAS; i++)
+            if (!strcmp(want, ISAS[i].name) && ISAS[i].supported()) found = i;
+        if (found < 0) {
+            PyObject *names = PyList_New(0);
+            for (int i = 0; names && i < NUM_ISAS; i++)
+                if (ISAS[i].supported()) {
+                    PyObject *name = PyUnicode_FromString(ISAS[i].name);
+                    if (!name || PyList_Append(names, name)) Py_CLEAR(names);
+                    Py_XDECREF(name);
+                }
+            if (names) PyErr_Format(PyExc_ValueError, "instruction set %R: this CPU runs %R", PyTuple_GET_ITEM(args, 0), names);
+            Py_XDECREF(names);
+            return NULL;
+        }
+        isa = found;
+    }
+    return PyUnicode_FromString(ISAS[isa].name);
+}
+
+int attention_init(void) {
+    __builtin_cpu_init();
+    for (isa = 0; !ISAS[isa].supported(); isa++) {}
+    return pthread_atfork(NULL, NULL, pool_after_fork);
+}
