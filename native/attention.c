@@ -13,8 +13,8 @@
  * softmax online (streaming) in blocks of BLOCK rows.
  *
  * Work: tiles (request, K/V head, up to TILE query vectors) are cut along the
- * rows into splits when there are too few for the threads; splits run on a
- * pool of threads with the GIL released, longest first, and a tile's splits
+ * rows into splits when there are too few for the threads; splits run on
+ * OpenMP threads with the GIL released, longest first, and a tile's splits
  * are merged (flash-decoding).  Inner loops use GCC vector types: the body is
  * compiled once for AVX2/FMA and once for the baseline ISA, and the CPU picks
  * at run time.
@@ -25,7 +25,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,6 +34,14 @@
 
 /* the vector helpers are all inlined: no vector crosses a call */
 #pragma GCC diagnostic ignored "-Wpsabi"
+
+
+
+
+
+
+
+
 
 enum { BLOCK = 8, TILE = 16, MAX_HEAD_DIM = 256, MIN_SPLIT = 256, SERIAL_ROWS = 8192 };
 enum { F32 = 0, BF16 = 1 };
@@ -212,67 +219,14 @@ static void merge(const Call *c, const Tile *tile) {
     }
 }
 
-/* ------------------------------------------------------------ the thread pool */
+/* ------------------------------------------------------------ threads */
 
-static struct {
-    pthread_mutex_t mu, call;  /* call: one parallel call at a time */
-    pthread_cond_t go, done;
-    int size, wanted, busy;
-    unsigned long generation;
-    Call *job;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-          PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, NULL};
-
-static void *worker(void *arg) {
-    int index = (int)(intptr_t)arg;
-    unsigned long seen = 0;
-    pthread_mutex_lock(&pool.mu);
-    for (;;) {
-        while (pool.generation == seen) pthread_cond_wait(&pool.go, &pool.mu);
-        seen = pool.generation;
-        if (index >= pool.wanted) continue;
-        Call *job = pool.job;
-        pthread_mutex_unlock(&pool.mu);
-        run_items_isa(job);
-        pthread_mutex_lock(&pool.mu);
-        if (--pool.busy == 0) pthread_cond_signal(&pool.done);
-    }
-    return NULL;
-}
-
-/* A child after fork() has none of the parent's workers. */
-static void pool_after_fork(void) {
-    pool.size = pool.wanted = pool.busy = 0;
-    pthread_mutex_init(&pool.mu, NULL);
-    pthread_mutex_init(&pool.call, NULL);
-    pthread_cond_init(&pool.go, NULL);
-    pthread_cond_init(&pool.done, NULL);
-}
-
-/* Run the call's items on `threads` threads, this one among them. */
+/* OpenMP: the one runtime of the process (torch's libgomp, loaded first), so
+ * the kernel runs on torch's own intra-op threads, which are still spinning
+ * from the operator before, and never competes with them for the cores. */
 static void run_parallel(Call *c, int threads) {
-    pthread_mutex_lock(&pool.call);
-    pthread_mutex_lock(&pool.mu);
-    while (pool.size < threads - 1) {
-        pthread_t t;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        int failed = pthread_create(&t, &attr, worker, (void *)(intptr_t)pool.size);
-        pthread_attr_destroy(&attr);
-        if (failed) break;  /* fewer threads: the same result */
-        pool.size++;
-    }
-    pool.wanted = pool.busy = threads - 1 < pool.size ? threads - 1 : pool.size;
-    pool.job = c;
-    pool.generation++;
-    pthread_cond_broadcast(&pool.go);
-    pthread_mutex_unlock(&pool.mu);
+#pragma omp parallel num_threads(threads)
     run_items_isa(c);
-    pthread_mutex_lock(&pool.mu);
-    while (pool.busy) pthread_cond_wait(&pool.done, &pool.mu);
-    pthread_mutex_unlock(&pool.mu);
-    pthread_mutex_unlock(&pool.call);
 }
 
 /* ------------------------------------------------------------ checking and planning */
@@ -508,8 +462,7 @@ PyObject *attention_isa(PyObject *mod, PyObject *args) {
     return PyUnicode_FromString(ISAS[isa].name);
 }
 
-int attention_init(void) {
+void attention_init(void) {
     __builtin_cpu_init();
     for (isa = 0; !ISAS[isa].supported(); isa++) {}
-    return pthread_atfork(NULL, NULL, pool_after_fork);
 }

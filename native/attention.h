@@ -5,5 +5,5 @@
 PyObject *attend(PyObject *mod, PyObject *args);
 /* attention_isa([name]) -> the instruction set attend() runs ("avx2" or "baseline"), set to name first */
 PyObject *attention_isa(PyObject *mod, PyObject *args);
-/* Picks the instruction set from the CPU's features; 0 on success. */
-int attention_init(void);
+/* Picks the instruction set from the CPU's features. */
+void attention_init(void);

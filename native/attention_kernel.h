@@ -72,7 +72,7 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16) {
 
     float qs[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));
     float acc[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float p[TILE][BLOCK] __attribute__((aligned(32)));  /* BLOCK = 8: one v8f a query */
+    float p[TILE][BLOCK] __attribute__((aligned(32)));
     float m[TILE], l[TILE];
     int64_t qlo[TILE], qhi[TILE];
     for (int i = 0; i < nq; i++) {
@@ -87,51 +87,64 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16) {
 
     const v8i lanes = {0, 1, 2, 3, 4, 5, 6, 7};
     const v8f none = (v8f){} - __builtin_inff();
+    enum { CHUNKS = BLOCK / 8 };
     for (int64_t b0 = item->lo; b0 < item->hi; b0 += BLOCK) {
         const int nb = (int)(item->hi - b0 < BLOCK ? item->hi - b0 : BLOCK);
         const char *k0 = kbase + b0 * krow, *v0 = vbase + b0 * vrow;
         const int ahead = b0 + 2 * BLOCK <= item->hi;  /* prefetch the next block's K rows */
         for (int t = 0; t < nb; t++) prefetch_row(v0 + t * vrow, D * esize);
-        /* scores, then probabilities, of the rows each query may read */
+        /* scores, then probabilities, of the rows each query may read, eight at a time */
         for (int i = 0; i < nq; i++) {
             int a = qlo[i] > b0 ? (int)(qlo[i] - b0) : 0, e = qhi[i] - b0 < nb ? (int)(qhi[i] - b0) : nb;
+            v8f s[CHUNKS];
             if (a >= e) {
-                *(v8f *)p[i] = (v8f){};
+                for (int c = 0; c < CHUNKS; c++) *(v8f *)&p[i][8 * c] = (v8f){};
                 continue;
             }
-            v8f s;
             if (a == 0 && e == BLOCK) {
-                vec dot[BLOCK] = {};
-                for (int64_t d = 0; d < D; d += W) {
-                    vec qv = *(const vec *)&qs[i][d];
+                for (int c = 0; c < CHUNKS; c++) {
+                    const char *rows = k0 + 8 * c * krow;
+                    vec dot[8] = {};
+                    for (int64_t d = 0; d < D; d += W) {
+                        vec qv = *(const vec *)&qs[i][d];
 #pragma GCC unroll 8
-                    for (int u = 0; u < BLOCK; u++) dot[u] += qv * NAME(load)(k0 + u * krow, d, bf16);
-                    if (i == 0 && ahead && !((d * esize) & 63))
-                        for (int u = 0; u < BLOCK; u++) __builtin_prefetch(k0 + (BLOCK + u) * krow + d * esize, 0, 2);
+                        for (int u = 0; u < 8; u++) dot[u] += qv * NAME(load)(rows + u * krow, d, bf16);
+                        if (i == 0 && ahead && !((d * esize) & 63))
+                            for (int u = 0; u < 8; u++) __builtin_prefetch(rows + (BLOCK + u) * krow + d * esize, 0, 2);
+                    }
+                    v8f folded[8];
+#pragma GCC unroll 8
+                    for (int u = 0; u < 8; u++) folded[u] = NAME(fold)(dot[u]);
+                    s[c] = reduce8(folded);
                 }
-                v8f folded[BLOCK];
-#pragma GCC unroll 8
-                for (int u = 0; u < BLOCK; u++) folded[u] = NAME(fold)(dot[u]);
-                s = reduce8(folded);
             } else {  /* the block's first or last rows: one at a time, -inf for the rest */
-                s = none;
+                for (int c = 0; c < CHUNKS; c++) s[c] = none;
                 for (int t = a; t < e; t++) {
                     vec dot = {};
                     for (int64_t d = 0; d < D; d += W) dot += *(const vec *)&qs[i][d] * NAME(load)(k0 + t * krow, d, bf16);
-                    s[t] = hsum(NAME(fold)(dot));
+                    s[t / 8][t % 8] = hsum(NAME(fold)(dot));
                 }
             }
-            float best = hmax(s);
+            v8f top = s[0];
+            for (int c = 1; c < CHUNKS; c++) top = blend(s[c] > top, s[c], top);
+            float best = hmax(top);
             if (best > m[i]) {
                 float corr = vexp((v8f){} + (m[i] - best))[0];
                 for (int64_t d = 0; d < D; d++) acc[i][d] *= corr;
                 l[i] *= corr;
                 m[i] = best;
             }
-            v8f x = vexp(s - m[i]);
-            if (a != 0 || e != BLOCK) x = blend((lanes >= (v8i){} + a) & (lanes < (v8i){} + e), x, (v8f){});
-            *(v8f *)p[i] = x;
-            l[i] += hsum(x);
+            v8f sum = {};
+            for (int c = 0; c < CHUNKS; c++) {
+                v8f x = vexp(s[c] - m[i]);
+                if (a != 0 || e != BLOCK) {
+                    v8i at = lanes + 8 * c;
+                    x = blend((at >= (v8i){} + a) & (at < (v8i){} + e), x, (v8f){});
+                }
+                *(v8f *)&p[i][8 * c] = x;
+                sum += x;
+            }
+            l[i] += hsum(sum);
         }
         /* acc += p · V, four queries at a time */
         int i0 = 0;

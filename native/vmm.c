@@ -465,7 +465,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "vattn._native",
 
 PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&ReservationType) < 0 || PyType_Ready(&PhysicalFileType) < 0) return NULL;
-    if (attention_init()) return PyErr_SetFromErrno(PyExc_OSError);
+    attention_init();
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     MapLimitError = PyErr_NewExceptionWithDoc("vattn._native.MapLimitError",

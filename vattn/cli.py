@@ -70,7 +70,7 @@ def bench(args) -> None:
         from vattn.bench import engine
 
         engine.run(args.json, num_prompts=args.num_prompts or 64, max_tokens=args.max_tokens or 64,
-                   max_num_seqs=args.max_num_seqs, device=args.device, rounds=args.rounds)
+                   max_num_seqs=args.max_num_seqs, device=args.device, rounds=args.rounds, attention=args.attention)
     elif args.what == "soak":
         from vattn.bench import soak
 
@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, help="engine (64), e2e (sharegpt 48, long 32): requests")
     p.add_argument("--max-tokens", type=int, help="engine (64), e2e (sharegpt 128, long 256): cap on each answer")
     p.add_argument("--max-num-seqs", type=int, default=32, help="engine: sequences running at once")
+    p.add_argument("--attention", choices=["native", "flash", "sdpa"],
+                   help="engine: the attention kernel (default: the first that serves, vattn.attention.registry)")
     p.add_argument("--requests", type=int, help="soak: requests per preemption mode (2000); memory: per trace (500)")
     from vattn.bench.memory import MODELS, POLICIES, TRACES
 

@@ -117,7 +117,7 @@ class LLMEngine:
         usage, pages = self.kv.usage, self.kv.num_mapped_pages
         outputs = self._sample(self.scheduler.update(plan), logits)
         self.stats.record(time.perf_counter() - start, self.scheduler.map_seconds - mapped_before + waited,
-                          plan.num_tokens, usage, pages)
+                          plan.num_tokens, usage, pages, not plan.prefills)
         return outputs
 
     def _map_ahead(self, plan: StepPlan) -> None:

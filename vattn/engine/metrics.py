@@ -25,14 +25,21 @@ class EngineStats:
     map_seconds: list[float] = field(default_factory=list)  # mapping on the step's critical path
     tokens: list[int] = field(default_factory=list)  # tokens computed per step
     utilization: list[float] = field(default_factory=list)  # live / mapped by running requests, per step
+    decode_only: list[bool] = field(default_factory=list)  # the step had no prefill chunk
     peak_pages: int = 0  # pages mapped at the busiest step (each `page_bytes` of memory)
 
-    def record(self, seconds: float, map_seconds: float, tokens: int, utilization: float, pages: int) -> None:
+    def record(self, seconds: float, map_seconds: float, tokens: int, utilization: float, pages: int,
+               decode_only: bool) -> None:
         self.step_seconds.append(seconds)
+        self.decode_only.append(decode_only)
         self.map_seconds.append(map_seconds)
         self.tokens.append(tokens)
         self.utilization.append(utilization)
         self.peak_pages = max(self.peak_pages, pages)
+
+    @property
+    def decode_step_seconds(self) -> list[float]:
+        return [t for t, decode in zip(self.step_seconds, self.decode_only) if decode]
 
     @property
     def steps(self) -> int:
