@@ -282,7 +282,7 @@ def test_flash_path_keeps_to_the_kernel_contract(arch, monkeypatch):
     from vattn.attention import flash, registry
 
     monkeypatch.setattr(flash, "flash_attn_with_kvcache", flash_reference)
-    monkeypatch.setattr(registry, "pick", lambda device_type, dtype, cache_kind: registry.KERNELS["flash"])
+    monkeypatch.setattr(registry, "pick", lambda *args, **kwargs: registry.KERNELS["flash"])
     model = tiny_model(arch, "sdpa")
     reference = [hf_greedy(model, p, 40) for p in prompts()]
     engine = LLMEngine(model, page_size=4096, max_num_seqs=4, max_num_batched_tokens=32, max_seq_len=160,
