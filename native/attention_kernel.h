@@ -72,6 +72,7 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16) {
 
     float qs[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));
     float acc[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float kblock[BLOCK][MAX_HEAD_DIM] __attribute__((aligned(64)));  /* bfloat16 K, converted */
     float p[TILE][BLOCK] __attribute__((aligned(32)));
     float m[TILE], l[TILE];
     int64_t qlo[TILE], qhi[TILE];
@@ -91,6 +92,15 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16) {
     for (int64_t b0 = item->lo; b0 < item->hi; b0 += BLOCK) {
         const int nb = (int)(item->hi - b0 < BLOCK ? item->hi - b0 : BLOCK);
         const char *k0 = kbase + b0 * krow, *v0 = vbase + b0 * vrow;
+        /* the block's K rows as float32: bfloat16 ones converted once for all the queries */
+        const char *kf = k0;
+        int64_t kfrow = krow;
+        if (bf16) {
+            for (int t = 0; t < nb; t++)
+                for (int64_t d = 0; d < D; d += W) *(vec *)&kblock[t][d] = NAME(load)(k0 + t * krow, d, 1);
+            kf = (const char *)kblock;
+            kfrow = sizeof(kblock[0]);
+        }
         const int ahead = b0 + 2 * BLOCK <= item->hi;  /* prefetch the next block's K rows */
         for (int t = 0; t < nb; t++) prefetch_row(v0 + t * vrow, D * esize);
         /* scores, then probabilities, of the rows each query may read, eight at a time */
@@ -103,14 +113,15 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16) {
             }
             if (a == 0 && e == BLOCK) {
                 for (int c = 0; c < CHUNKS; c++) {
-                    const char *rows = k0 + 8 * c * krow;
+                    const char *rows = kf + 8 * c * kfrow;
                     vec dot[8] = {};
                     for (int64_t d = 0; d < D; d += W) {
                         vec qv = *(const vec *)&qs[i][d];
 #pragma GCC unroll 8
-                        for (int u = 0; u < 8; u++) dot[u] += qv * NAME(load)(rows + u * krow, d, bf16);
+                        for (int u = 0; u < 8; u++) dot[u] += qv * NAME(load)(rows + u * kfrow, d, 0);
                         if (i == 0 && ahead && !((d * esize) & 63))
-                            for (int u = 0; u < 8; u++) __builtin_prefetch(rows + (BLOCK + u) * krow + d * esize, 0, 2);
+                            for (int u = 0; u < 8; u++)
+                                __builtin_prefetch(k0 + (8 * c + BLOCK + u) * krow + d * esize, 0, 2);
                     }
                     v8f folded[8];
 #pragma GCC unroll 8
@@ -121,7 +132,7 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16) {
                 for (int c = 0; c < CHUNKS; c++) s[c] = none;
                 for (int t = a; t < e; t++) {
                     vec dot = {};
-                    for (int64_t d = 0; d < D; d += W) dot += *(const vec *)&qs[i][d] * NAME(load)(k0 + t * krow, d, bf16);
+                    for (int64_t d = 0; d < D; d += W) dot += *(const vec *)&qs[i][d] * NAME(load)(kf + t * kfrow, d, 0);
                     s[t / 8][t % 8] = hsum(NAME(fold)(dot));
                 }
             }

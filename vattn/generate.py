@@ -56,6 +56,8 @@ def run(prompt: str, max_new_tokens: int, num_beams: int, cache_kind: str) -> No
     inputs = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     prompt_len = inputs["input_ids"].shape[1]
     cache = make_cache(cache_kind, model, num_beams, prompt_len + max_new_tokens)
+    if isinstance(cache, VAttnCache):
+        model.set_attn_implementation(cache.attn_implementation)  # the kernel that reads its views in place
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if num_beams == 1 else None
     start = time.perf_counter()
     with torch.inference_mode():
