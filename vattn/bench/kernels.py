@@ -40,8 +40,11 @@ shorter) ending at `context`, one `prefill` call per chunk as the engine does
 once per step for all layers (the decode mask, the paged gather index, vLLM's
 scheduler metadata) is built before timing.  The layouts take turns within
 each repeat (vLLM's block sizes among themselves, in its own process after
-the others), so load elsewhere hits them alike; each figure is the median of
-`repeats` runs after a warm-up run, with every thread torch has (vLLM's too).
+the others), so load elsewhere hits them alike, and before each timed call
+`SCRUB_BYTES` of other memory are read (in vLLM's process too): every call
+finds its K/V out of the caches, as an engine's attention does, each layer's
+K/V read after every other layer's; each figure is the median of `repeats`
+runs after a warm-up run, with every thread torch has (vLLM's too).
 
 Every row carries its bandwidth floor `floor_ms`: the live K/V bytes the
 call must read (each request's tokens of one layer) at this machine's read
@@ -93,6 +96,7 @@ NATIVE_GOALS = {("Llama-3-8B", 32, "mixed"): {"vllm": 0.7}, ("Llama-3-8B", 8, "u
                 ("SmolLM2-135M", 32, "mixed"): {"vllm": 0.8}, ("SmolLM2-135M", 8, "uniform"): {"vllm": 0.8}}
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # vllm_paged's max |out - SDPA in float32|
 READ_BYTES = 1 << 30  # summed to measure the read bandwidth
+SCRUB_BYTES = 64 << 20  # read before each timed call: more than this CPU's last-level cache (32 MiB)
 
 
 class Point(NamedTuple):
@@ -226,14 +230,17 @@ def _flash_kernel(phase: str, cache, q: torch.Tensor, lengths: list[int], name: 
 
 def median_ms(calls: dict, repeats: int) -> dict[str, float]:
     """Median ms of each call, the calls taking turns after a warm-up run of
-    each; on CUDA each call ends with a synchronize."""
+    each, each timed after `SCRUB_BYTES` of host memory are read; on CUDA
+    each call ends with a synchronize."""
     samples = {name: [] for name in calls}
     for call in calls.values():
         call()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
+    scrub = torch.ones(SCRUB_BYTES // 4, device="cpu")
     for _ in range(repeats):
         for name, call in calls.items():
+            scrub.sum()
             t0 = time.perf_counter()
             call()
             sync()

@@ -19,8 +19,9 @@ of a multiple of 32, else "vec16"; "amx" for bfloat16 where the CPU has it).
 The scheduler metadata is made once a point, as vLLM makes it once a step
 for every layer; `cpu_attention_with_kv_cache` (causal, the queries ending
 each request, all requests in one call) is what is timed.  The block sizes
-take turns within each repeat; medians of `repeats` after a warm-up run (the
-loop of `kernels.median_ms`, which this process cannot import), whose output
+take turns within each repeat, each timed call after 64 MiB of other memory
+are read; medians of `repeats` after a warm-up run (the loop of
+`kernels.median_ms`, which this process cannot import), whose output
 is compared with SDPA in float32 over the same K/V (`max_abs_err`; the
 harness judges it).  One line `vllm_kernels: point i of N` on stdout as each
 point is done.
@@ -98,8 +99,10 @@ def measure(point: dict, block_sizes: list[int], repeats: int, seed: int = 0) ->
         call()
     errors = [(out.float() - ref).abs().max().item() for out in outs]
     samples = [[] for _ in calls]
+    scrub = torch.ones((64 << 20) // 4)  # kernels.SCRUB_BYTES
     for _ in range(repeats):
         for call, s in zip(calls, samples):
+            scrub.sum()
             t0 = time.perf_counter()
             call()
             s.append((time.perf_counter() - t0) * 1e3)
