@@ -15,9 +15,9 @@
  * Work: tiles (request, K/V head, up to TILE query vectors) are cut along the
  * rows into splits when there are too few for the threads; splits run on
  * OpenMP threads with the GIL released, longest first, and a tile's splits
- * are merged (flash-decoding).  Inner loops use GCC vector types: the body is
- * compiled once for AVX2/FMA and once for the baseline ISA, and the CPU picks
- * at run time.
+ * are merged (flash-decoding).  Inner loops use GCC vector types: the body
+ * (attention_kernel.h) is compiled at 16 lanes for AVX-512 and at 8 for AVX2/FMA
+ * and for the baseline ISA, and the CPU's features pick one at run time.
  *
  * Every argument is checked before anything is written: a bad call raises
  * ValueError and leaves the output as it was.
@@ -34,14 +34,6 @@
 
 /* the vector helpers are all inlined: no vector crosses a call */
 #pragma GCC diagnostic ignored "-Wpsabi"
-
-
-
-
-
-
-
-
 
 enum { BLOCK = 8, TILE = 16, MAX_HEAD_DIM = 256, MIN_SPLIT = 128, SERIAL_ROWS = 1024 };
 enum { F32 = 0, BF16 = 1 };
@@ -145,9 +137,9 @@ typedef struct {
     const char *q, *k, *v;
     char *out;
     int bf16;
-    int64_t T, H, D, S, L, Hkv, G;
+    int64_t D, Hkv, G;
     int64_t q_token, q_head, out_token, out_head;       /* strides, elements */
-    int64_t kv_slot, kv_row, kv_head;                   /* K's */
+    int64_t k_slot, k_row, k_head;                      /* K's */
     int64_t v_slot, v_row, v_head;                      /* V's */
     const int64_t *reqs;
     int64_t num_reqs, window;
@@ -173,7 +165,8 @@ INLINE void query_rows(const Call *c, const int64_t *r, int64_t j, int64_t *lo, 
 #include "attention_kernel.h"
 #undef W
 
-__attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))) static void run_items_avx512(Call *c) { run_items_w16(c); }
+#define AVX512 "avx512f,avx512bw,avx512vl,avx2,fma"
+__attribute__((target(AVX512))) static void run_items_avx512(Call *c) { run_items_w16(c); }
 __attribute__((target("avx2,fma"))) static void run_items_avx2(Call *c) { run_items_w8(c); }
 static void run_items_baseline(Call *c) { run_items_w8(c); }
 
@@ -318,7 +311,8 @@ static int by_rows_descending(const void *a, const void *b) {
 /* Tiles and their splits; on success *tiles_out and c->items are malloc'd. */
 static int plan(Call *c, int threads, Tile **tiles_out, float **partials_out) {
     int64_t num_tiles = 0, rows = 0;
-    for (int64_t i = 0; i < c->num_reqs; i++) num_tiles += c->Hkv * ((c->G * c->reqs[i * REQ_FIELDS + REQ_NUM_Q] + TILE - 1) / TILE);
+    for (int64_t i = 0; i < c->num_reqs; i++)
+        num_tiles += c->Hkv * ((c->G * c->reqs[i * REQ_FIELDS + REQ_NUM_Q] + TILE - 1) / TILE);
     Tile *tiles = calloc(num_tiles ? num_tiles : 1, sizeof(Tile));
     if (!tiles) return -1;
     int64_t t = 0;
@@ -405,9 +399,9 @@ PyObject *attend(PyObject *mod, PyObject *args) {
     Call c = {
         .q = (const char *)(uintptr_t)q.ptr, .k = (const char *)(uintptr_t)k.ptr,
         .v = (const char *)(uintptr_t)v.ptr, .out = (char *)(uintptr_t)out.ptr, .bf16 = q.dtype == BF16,
-        .T = q.shape[0], .H = q.shape[1], .D = q.shape[2], .S = k.shape[0], .L = k.shape[1], .Hkv = k.shape[2],
+        .D = q.shape[2], .Hkv = k.shape[2],
         .G = q.shape[1] / k.shape[2], .q_token = q.stride[0], .q_head = q.stride[1], .out_token = out.stride[0],
-        .out_head = out.stride[1], .kv_slot = k.stride[0], .kv_row = k.stride[1], .kv_head = k.stride[2],
+        .out_head = out.stride[1], .k_slot = k.stride[0], .k_row = k.stride[1], .k_head = k.stride[2],
         .v_slot = v.stride[0], .v_row = v.stride[1], .v_head = v.stride[2], .reqs = reqs.buf, .num_reqs = n,
         .window = window, .scale = (float)scale,
     };
@@ -453,7 +447,8 @@ PyObject *attention_isa(PyObject *mod, PyObject *args) {
                     if (!name || PyList_Append(names, name)) Py_CLEAR(names);
                     Py_XDECREF(name);
                 }
-            if (names) PyErr_Format(PyExc_ValueError, "instruction set %R: this CPU runs %R", PyTuple_GET_ITEM(args, 0), names);
+            if (names)
+                PyErr_Format(PyExc_ValueError, "instruction set %R: this CPU runs %R", PyTuple_GET_ITEM(args, 0), names);
             Py_XDECREF(names);
             return NULL;
         }

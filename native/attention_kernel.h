@@ -66,9 +66,9 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16) {
     const int64_t *r = c->reqs + tile->req * REQ_FIELDS;
     const int64_t D = c->D, G = c->G, esize = bf16 ? 2 : 4;
     const int nq = tile->nq;
-    const char *kbase = c->k + (r[REQ_SLOT] * c->kv_slot + tile->head * c->kv_head) * esize;
+    const char *kbase = c->k + (r[REQ_SLOT] * c->k_slot + tile->head * c->k_head) * esize;
     const char *vbase = c->v + (r[REQ_SLOT] * c->v_slot + tile->head * c->v_head) * esize;
-    const int64_t krow = c->kv_row * esize, vrow = c->v_row * esize;
+    const int64_t krow = c->k_row * esize, vrow = c->v_row * esize;
 
     float qs[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));
     float acc[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));
@@ -132,7 +132,8 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16) {
                 for (int c = 0; c < CHUNKS; c++) s[c] = none;
                 for (int t = a; t < e; t++) {
                     vec dot = {};
-                    for (int64_t d = 0; d < D; d += W) dot += *(const vec *)&qs[i][d] * NAME(load)(kf + t * kfrow, d, 0);
+                    for (int64_t d = 0; d < D; d += W)
+                        dot += *(const vec *)&qs[i][d] * NAME(load)(kf + t * kfrow, d, 0);
                     s[t / 8][t % 8] = hsum(NAME(fold)(dot));
                 }
             }
@@ -167,7 +168,7 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16) {
         }
     }
 
-    if (tile->splits > 1) {  /* max, sum, acc of this split, merged by finish() */
+    if (tile->splits > 1) {  /* max, sum, acc of this split, merged by merge() */
         float *part = tile->partial + item->split * nq * (D + 2);
         memcpy(part, m, nq * sizeof(float));
         memcpy(part + nq, l, nq * sizeof(float));
