@@ -448,7 +448,8 @@ PyObject *attention_isa(PyObject *mod, PyObject *args) {
                     Py_XDECREF(name);
                 }
             if (names)
-                PyErr_Format(PyExc_ValueError, "instruction set %R: this CPU runs %R", PyTuple_GET_ITEM(args, 0), names);
+                PyErr_Format(PyExc_ValueError, "instruction set %R: this CPU runs %R", PyTuple_GET_ITEM(args, 0),
+                             names);
             Py_XDECREF(names);
             return NULL;
         }

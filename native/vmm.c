@@ -461,7 +461,9 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "vattn._native",
-                                    "Host virtual-memory primitives (mmap + memfd), DLPack capsules over raw memory, and CPU attention over strided K/V.", -1, methods};
+                                    "Host virtual-memory primitives (mmap + memfd), DLPack capsules over raw memory, "
+                                    "and CPU attention over strided K/V.",
+                                    -1, methods};
 
 PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&ReservationType) < 0 || PyType_Ready(&PhysicalFileType) < 0) return NULL;
