@@ -15,7 +15,9 @@ from vattn.attention.native import attend, requests
 from vattn.config import CacheConfig
 from vattn.kv.virtual import VirtualKVCache
 
+
 def supported_isas() -> list[str]:
+    """The instruction sets this CPU runs the kernel with."""
     chosen, names = _native.attention_isa(), []
     for name in ("avx512", "avx2", "baseline"):
         try:
