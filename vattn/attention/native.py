@@ -41,8 +41,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: array, scal
     `out` no request names are left as they are.  A ValueError, with nothing
     written, for inputs the kernel cannot take."""
     out = torch.empty_like(q) if out is None else out
-    _native.attend(_view("q", q), _view("out", out), _view("k", k), _view("v", v), table, scale, window or 0,
-                   torch.get_num_threads())
+    _native.attend(_view("q", q, 3), _view("out", out, 3), _view("k", k, 4), _view("v", v, 4), table, scale,
+                   window or 0, torch.get_num_threads())
     return out
 
 
@@ -52,7 +52,7 @@ def run(b: "StepBatch", layer: int, q, k, v, scaling, window) -> torch.Tensor:
     return attend(q, K, V, b.requests(), scaling, window)
 
 
-def _view(name: str, t: torch.Tensor) -> tuple:
+def _view(name: str, t: torch.Tensor, ndim: int) -> tuple:
     """What the C core reads of a tensor: address, dtype code, sizes, strides."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -60,6 +60,6 @@ def _view(name: str, t: torch.Tensor) -> tuple:
         raise ValueError(f"{name} is on {t.device}: the native kernel runs on the host")
     if t.dtype not in DTYPES:
         raise ValueError(f"{name} is {t.dtype}: the native kernel reads float32 or bfloat16")
-    if t.dim() != (3 if name in ("q", "out") else 4):
+    if t.dim() != ndim:
         raise ValueError(f"{name} has {t.dim()} dimensions; q and out take [T, H, D], k and v [slots, rows, H_kv, D]")
     return (t.data_ptr(), DTYPES[t.dtype], *t.shape, *t.stride())
