@@ -69,8 +69,16 @@ def bench(args) -> None:
     elif args.what == "engine":
         from vattn.bench import engine
 
+        seqs, tokens = (_one(args, name) for name in ("max_num_seqs", "max_num_batched_tokens"))
         engine.run(args.json, num_prompts=args.num_prompts or 64, max_tokens=args.max_tokens or 64,
-                   max_num_seqs=args.max_num_seqs, device=args.device, rounds=args.rounds, attention=args.attention)
+                   max_num_seqs=seqs, max_num_batched_tokens=tokens, device=args.device, rounds=args.rounds,
+                   attention=args.attention)
+    elif args.what == "sweep":
+        from vattn.bench import sweep
+
+        sweep.run(args.json, args.max_num_seqs or [16, 32, 64, 128], args.max_num_batched_tokens or [256, 512, 1024],
+                  workload=args.workload, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+                  rate=args.request_rate[0], rounds=args.rounds)
     elif args.what == "soak":
         from vattn.bench import soak
 
@@ -97,6 +105,14 @@ def bench(args) -> None:
                 max_tokens=args.max_tokens or sizes.get("max_tokens"), rates=args.request_rate,
                 burstiness=args.burstiness, rounds=args.rounds, systems=args.systems, kv_budget=_bytes(args.kv_budget),
                 log_dir=args.log_dir)
+
+
+def _one(args, name: str) -> int | None:
+    """A setting given at most once (None: the engine's default)."""
+    values = getattr(args, name)
+    if values and len(values) > 1:
+        raise SystemExit(f"vattn bench {args.what}: --{name.replace('_', '-')} takes one value (several: bench sweep)")
+    return values[0] if values else None
 
 
 def _bytes(text: str | None) -> int | None:
@@ -137,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.set_defaults(func=demo)
     p = commands.add_parser("bench", help="benchmarks")
-    p.add_argument("what", choices=["vmm", "hf", "engine", "soak", "memory", "kernels", "e2e", "gpu"])
+    p.add_argument("what", choices=["vmm", "hf", "engine", "sweep", "soak", "memory", "kernels", "e2e",
+                                       "gpu"])
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--plot", metavar="DIR", help="memory, kernels, e2e: also write PNG charts there")
     p.add_argument("--repeats", type=int, default=15, help="runs per measurement (median reported)")
@@ -150,7 +167,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="hf: attention implementation for every cache")
     p.add_argument("--num-prompts", type=int, help="engine (64), e2e (sharegpt 48, long 32): requests")
     p.add_argument("--max-tokens", type=int, help="engine (64), e2e (sharegpt 128, long 256): cap on each answer")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="engine: sequences running at once")
+    p.add_argument("--max-num-seqs", type=int, nargs="+",
+                   help="engine: sequences at once (default: the engine's); sweep: values to try (16 32 64 128)")
+    p.add_argument("--max-num-batched-tokens", type=int, nargs="+",
+                   help="engine: tokens a forward (default: the engine's); sweep: values to try (256 512 1024)")
     p.add_argument("--attention", choices=["native", "flash", "sdpa"],
                    help="engine: the attention kernel (default: the first that serves, vattn.attention.registry)")
     p.add_argument("--requests", type=int, help="soak: requests per preemption mode (2000); memory: per trace (500)")
@@ -166,11 +186,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="kernels: dtypes")
     from vattn.bench.e2e import SYSTEMS, WORKLOADS
 
-    p.add_argument("--workload", choices=list(WORKLOADS), default="sharegpt", help="e2e: first turns, or long chats")
+    p.add_argument("--workload", choices=list(WORKLOADS), default="sharegpt",
+                   help="e2e, sweep: first turns, or long chats")
     p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
-                   help="e2e: requests/s (inf: all at once); several make a sweep")
+                   help="e2e: requests/s (inf: all at once), several make a sweep; sweep: the first")
     p.add_argument("--burstiness", type=float, default=1.0, help="e2e: gamma shape of the arrivals (1: Poisson)")
-    p.add_argument("--rounds", type=int, default=3, help="e2e, engine: rounds per figure (median reported)")
+    p.add_argument("--rounds", type=int, default=3, help="e2e, engine, sweep: rounds per figure (median reported)")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS),
                    help=f"e2e: systems to run (default: {' '.join(SYSTEMS)}; paged_N for other block sizes)")
     p.add_argument("--kv-budget", help="e2e: KV memory of every system in bytes, e.g. 2GiB (default: vattn's own)")

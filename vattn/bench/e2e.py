@@ -40,6 +40,7 @@ SYSTEMS = ("vattn", "paged_16", "vllm_cpu", "hf_continuous_batching", "hf_static
 WORKLOADS = {"sharegpt": dict(num_prompts=48, max_tokens=128), "long": dict(num_prompts=32, max_tokens=256)}
 QUICK = dict(num_prompts=12, max_tokens=32)  # `--quick`: a smaller run of either workload
 STATIC_BATCHES = (8, 16, 32)
+BUDGET_TOKENS = 32 * 2048  # the default KV budget: 32 sequences of 2,048 tokens
 HF_BLOCK = 256  # transformers' continuous batching: tokens a block, and tokens a step
 
 
@@ -89,6 +90,12 @@ def settings(system: str, budget: int, cache, max_seq_len: int) -> list[dict]:
             raise ValueError(f"a KV budget of {budget} bytes holds no static batch of {STATIC_BATCHES[0]} rows")
         return [{"batch_size": b} for b in fits]
     raise ValueError(f"unknown system {system!r}; systems: {SYSTEMS}")
+
+
+def default_budget(cache) -> int:
+    """`BUDGET_TOKENS` of `cache`'s (a `CacheConfig`) KV, in whole pages."""
+    pages = -(-BUDGET_TOKENS * cache.kv_bytes_per_token // cache.page_bytes)
+    return pages * cache.page_bytes
 
 
 class Worker:
@@ -186,7 +193,7 @@ def run(json_path: str | None, plot_dir: str | None, workload: str = "sharegpt",
     model, tokenizer = load_smollm2(dtype=ENGINE_DTYPE)
     engine = EngineConfig()
     cache = resolve(CacheConfig.from_model(model, **engine.cache_settings()))
-    budget = kv_budget or cache.num_pages * cache.page_bytes  # the engine's own default
+    budget = kv_budget or default_budget(cache)
     reqs = requests(tokenizer, workload, **sizes)
     del model
     systems = list(systems)
@@ -215,10 +222,10 @@ def run(json_path: str | None, plot_dir: str | None, workload: str = "sharegpt",
             for rate_result in results for name, r in rate_result["systems"].items()]
     result = {"workload": workload, **sizes, "requests": len(reqs),
               "prompt_tokens": sum(len(r["prompt"]) for r in reqs), "burstiness": burstiness,
-              "request_rate": [_rate(r) for r in rates], "rounds_per_figure": rounds, "kv_budget_bytes": budget,
+              "request_rate": [rate_label(r) for r in rates], "rounds_per_figure": rounds, "kv_budget_bytes": budget,
               "versions": _versions(workers), "threads": {"torch": torch.get_num_threads(), "cores": os.cpu_count()},
               "rows": rows, "static_sweep": [s for r in results for s in r["sweep"]],
-              "ratios": {_rate(r["rate"]): ratios(r["systems"]) for r in results}}
+              "ratios": {rate_label(r["rate"]): ratios(r["systems"]) for r in results}}
     _print(result)
     write_json(json_path, result)
     if plot_dir:
@@ -235,7 +242,7 @@ def _run_rate(workers: dict, reqs: list[dict], rate: float, burstiness: float, r
     runs = {name: [] for name in turn}
     for k in range(rounds):
         for name in turn[k % len(turn):] + turn[:k % len(turn)]:
-            console.print(f"rate {_rate(rate)}, round {k + 1}/{rounds}: {name}")
+            console.print(f"rate {rate_label(rate)}, round {k + 1}/{rounds}: {name}")
             result = workers[name].serve(reqs, due)
             runs[name].append((figures(result, reqs), [rec["token_ids"] for rec in result["requests"]]))
     reference = runs.get("vattn")
@@ -247,13 +254,13 @@ def _run_rate(workers: dict, reqs: list[dict], rate: float, burstiness: float, r
             "worker": name, "figures": median_figures([f for f, _ in measured]), "rounds": [f for f, _ in measured],
             "same_tokens_as_vattn": same}
     return {"rate": rate, "systems": systems,
-            "sweep": [{"request_rate": _rate(rate), "batch_size": workers[n].options["batch_size"],
+            "sweep": [{"request_rate": rate_label(rate), "batch_size": workers[n].options["batch_size"],
                        "output_tok_per_s": f["output_tok_per_s"], "chosen": n == best} for n, f in sweep.items()]}
 
 
 def _row(system: str, r: dict, rate_result: dict, rss: int, budget: int, ran: dict) -> dict:
     f = r["figures"]
-    return {"system": system, "request_rate": _rate(rate_result["rate"]),
+    return {"system": system, "request_rate": rate_label(rate_result["rate"]),
             **{k: f[k] for k in ("output_tok_per_s", "req_per_s", "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "seconds",
                                  "output_tokens", "kv_bytes_committed")},
             "peak_rss_bytes": rss, "kv_budget_bytes": budget, "same_tokens_as_vattn": r["same_tokens_as_vattn"],
@@ -298,7 +305,7 @@ def _plot(plot_dir: Path, rows: list[dict], workload: str) -> None:
                series)
 
 
-def _rate(rate: float) -> float | str:
+def rate_label(rate: float) -> float | str:
     return "inf" if rate == float("inf") else rate
 
 

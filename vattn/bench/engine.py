@@ -6,10 +6,12 @@ from vattn.report import print_table, write_json
 from vattn.workload import figure_rows, serve, workload
 
 
-def run(json_path: str | None, num_prompts: int, max_tokens: int, max_num_seqs: int, device: str = "cpu",
-        rounds: int = 3, attention: str | None = None) -> dict:
+def run(json_path: str | None, num_prompts: int, max_tokens: int, max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None, device: str = "cpu", rounds: int = 3,
+        attention: str | None = None) -> dict:
     """Each figure the median of `rounds` runs, with and without the worker
-    taking turns; `attention` names the engine's kernel (None: its default)."""
+    taking turns; `attention` names the engine's kernel; None: the engine's
+    default (of each setting)."""
     import torch
 
     from vattn import LLM
@@ -21,7 +23,9 @@ def run(json_path: str | None, num_prompts: int, max_tokens: int, max_num_seqs: 
     results = {True: [], False: []}
     for _ in range(rounds):
         for map_ahead in results:
-            llm = LLM(model, tokenizer, max_num_seqs=max_num_seqs, map_ahead=map_ahead, attention=attention)
+            limits = {k: v for k, v in dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+                      .items() if v is not None}
+            llm = LLM(model, tokenizer, map_ahead=map_ahead, attention=attention, **limits)
             results[map_ahead].append(serve(llm, prompts, params)[1])
             llm.engine.close()
     worker, inline = median_figures(results[True]), median_figures(results[False])
@@ -33,9 +37,10 @@ def run(json_path: str | None, num_prompts: int, max_tokens: int, max_num_seqs: 
         ["mapping ms per step without the worker", f"{maps['without_worker']:.3f}"],
         ["mapping / median step (with / without worker)",
          f"{shares['with_worker']:.2%} / {shares['without_worker']:.2%}"]]
-    kernel = llm.engine.runner.kernel.name
-    print_table(f"engine: {num_prompts} ShareGPT prompts, SmolLM2-135M on {device}, max_num_seqs={max_num_seqs}, "
-                f"{kernel} attention, medians of {rounds} runs", ["", ""], rows)
+    kernel, config = llm.engine.runner.kernel.name, llm.engine.config
+    print_table(f"engine: {num_prompts} ShareGPT prompts, SmolLM2-135M on {device}, "
+                f"max_num_seqs={config.max_num_seqs}, max_num_batched_tokens={config.max_num_batched_tokens}, {kernel} attention, medians of {rounds} runs",
+                ["", ""], rows)
     write_json(json_path, f | {"attention": kernel,
                                "rounds": {"with_worker": results[True], "without_worker": results[False]}})
     return f

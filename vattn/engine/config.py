@@ -20,7 +20,11 @@ class EngineConfig:
     whole pages another request computed for the same tokens.  `kv_cache="paged"` runs the same engine on the
     paged baseline (`vattn.PagedKVCache`, blocks of `block_size` tokens).
     `attention` names the attention kernel (`vattn.attention.registry.KERNELS`:
-    "native", "flash", "sdpa"); None takes the first that serves the cache."""
+    "native", "flash", "sdpa"); None takes the first that serves the cache.
+    `pack_linears` pre-packs the model's linear weights for oneDNN on the CPU
+    and `fuse_projections` runs Q/K/V and gate/up as one GEMM each where the
+    architecture is known (`vattn.engine.linears`); the model is given back
+    unchanged by `close()`."""
 
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 256
@@ -37,12 +41,18 @@ class EngineConfig:
     kv_cache: str = "virtual"
     block_size: int = 16
     attention: str | None = None
+    pack_linears: bool = True
+    fuse_projections: bool = True
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        for name in ("enable_prefix_caching", "map_ahead", "deferred_reclamation", "pack_linears",
+                     "fuse_projections"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"EngineConfig.preemption_mode must be one of {PREEMPTION_MODES}, "
                              f"got {self.preemption_mode!r}")

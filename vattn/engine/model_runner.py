@@ -1,26 +1,31 @@
 """Runs a step plan through an unmodified transformers model.
 
 The model's attention is switched to `vattn.attention` (which writes K/V into
-the cache and reads live rows only); the model is called with
-`use_cache=False`, one flat batch per step, and the logits of the rows that
-sample come back.
+the cache and reads live rows only); its linears are packed and
+fused for the CPU (`linears`); the model is called with `use_cache=False`,
+one flat batch per step, and the logits of the rows that sample come back.
+`close()` gives the model back as it came.
 """
 import torch
 
 from vattn import attention
 from vattn.attention import registry
+from vattn.engine.linears import serve_linears
 from vattn.engine.plan import StepPlan
 from vattn.kv.slots import SlotCache
 
 
 class ModelRunner:
-    def __init__(self, model, cache: SlotCache, kernel: str | None = None):
+    def __init__(self, model, cache: SlotCache, kernel: str | None = None, pack: bool = True, fuse: bool = True,
+                 rows: int = 32):
         """`kernel`: the attention kernel by name (`registry.KERNELS`); None:
-        the first that serves the cache's device, dtype, kind and head dim."""
+        the first that serves the cache's device, dtype, kind and head dim.
+        `pack`, `fuse`: `serve_linears`'s, for GEMMs of about `rows` rows."""
         c = cache.config
         self.kernel = registry.pick(cache.device.type, c.dtype, cache.kind, c.head_dim, kernel)
         attention.register()
         self.model, self.cache = model.eval(), cache
+        self.linears = serve_linears(model, pack, fuse, rows)
         self._model_attention = model.config._attn_implementation  # given back by close()
         model.set_attn_implementation(attention.NAME)
 
@@ -41,5 +46,6 @@ class ModelRunner:
         return out.logits[0].cpu()  # sampling runs on the host, with each sequence's own generator
 
     def close(self) -> None:
-        """Give the model its own attention back."""
+        """Give the model its own linears and attention back."""
+        self.linears.restore()
         self.model.set_attn_implementation(self._model_attention)
