@@ -70,3 +70,18 @@ def test_long_workload_takes_whole_conversations_of_the_stated_lengths():
     for r in reqs:  # through the chat template, ending ready for the assistant's reply
         text = tokenizer.decode(r["prompt"])
         assert text.count("<|im_start|>user") >= 1 and text.rstrip().endswith("<|im_start|>assistant")
+
+
+def test_workload_flops_count_each_token_once():
+    from transformers import LlamaConfig
+
+    from vattn.bench import flops
+
+    smollm2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                          num_key_value_heads=3, vocab_size=49152)
+    layers, head = flops.token_flops(smollm2)
+    assert (layers, head) == (212_336_640, 56_623_104)  # 7.08 MFLOP a layer; the LM head 576 × 49,152 × 2
+    # 10 prompt tokens, 3 answer tokens: 12 tokens fed, contexts 1..12; the LM head thrice
+    attend = 4 * 30 * 9 * 64
+    assert flops.workload_flops(smollm2, [{"prompt": [1] * 10, "max_tokens": 3}]) == \
+        12 * layers + attend * 78 + 3 * head

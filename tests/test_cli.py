@@ -61,6 +61,22 @@ def test_bench_engine_reports_medians_of_its_rounds(tmp_path):
     assert result["output_tokens"] == runs[0]["output_tokens"] and result["layout"] == "per_head"
 
 
+def test_bench_sweep_runs_each_pair_of_limits(tmp_path):
+    path = tmp_path / "sweep.json"
+    out = vattn("bench", "sweep", "--num-prompts", "3", "--max-tokens", "4", "--rounds", "2",
+                "--max-num-seqs", "1", "2", "--max-num-batched-tokens", "64", "--json", str(path))
+    assert "engine sweep: 3 sharegpt requests" in " ".join(out.split())
+    result = json.loads(path.read_text())
+    rows = result["rows"]
+    assert [(r["max_num_seqs"], r["max_num_batched_tokens"]) for r in rows] == [(1, 64), (2, 64)]
+    assert all(len(r["rounds"]) == 2 and r["output_tokens"] == rows[0]["output_tokens"] for r in rows)
+    best = max(rows, key=lambda r: r["output_tok_per_s"])
+    assert result["best"] == {"max_num_seqs": best["max_num_seqs"], "max_num_batched_tokens": 64}
+    refused = subprocess.run([sys.executable, "-m", "vattn", "bench", "engine", "--max-num-seqs", "1", "2"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "--max-num-seqs takes one value" in refused.stderr
+
+
 def test_bench_soak_passes_on_a_few_requests(tmp_path):
     path = tmp_path / "soak.json"
     out = vattn("bench", "soak", "--requests", "40", "--json", str(path))
@@ -101,7 +117,9 @@ def test_bench_e2e_runs_every_system(tmp_path):
         assert vllm_ran["reserved_cpus"] == "0" and not vllm_ran["enforce_eager"]
         assert "libiomp5.so" in vllm_ran["ld_preload"]  # as vLLM's CPU docs advise
         assert set(result["ratios"][str(rate)]) == {f"vattn_vs_{s}" for s in rows if s != "vattn"}
+        assert all(r["gflops_per_s"] == result["workload_flops"] / r["seconds"] / 1e9 for r in rows.values())
     assert {s["batch_size"] for s in result["static_sweep"]} == {8, 16, 32}
+    assert result["gemm_peak_gflops"] > 10 and result["workload_flops"] > 0
     assert (tmp_path / "e2e_sharegpt_throughput_latency.png").stat().st_size > 0
 
 

@@ -40,6 +40,9 @@ def serve(llm, prompts, params, progress: bool = True) -> tuple[list, dict]:
         "layout": cache.config.layout,
         "preemptions": stats.preemptions,
         "prefix_hit_rate": stats.prefix_hit_rate,
+        "linear_gemms": llm.engine.runner.linears.num_gemms,
+        "linear_weight_bytes": llm.engine.runner.linears.nbytes,
+        "linear_bytes_held_twice": llm.engine.runner.linears.held_twice,
     }
     return outputs, figures
 
@@ -64,4 +67,6 @@ def figure_rows(f: dict) -> list[list]:
         ["prefix-cache hit rate", f"{f['prefix_hit_rate']:.1%}"],
         ["median step ms (all / decode only)", f"{f['step_ms_median']:.1f} / {f['decode_step_ms_median']:.1f}"],
         ["mapping ms per step, on the critical path", f"{f['map_ms_per_step']:.3f}"],
+        ["served linears: GEMMs, weights MiB (held twice)",
+         f"{f['linear_gemms']}, {f['linear_weight_bytes'] / 2**20:.0f} ({f['linear_bytes_held_twice'] / 2**20:.0f})"],
     ]

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from vattn.bench import peers
+from vattn.bench import flops, peers
 from vattn.bench.report import median_figures
 from vattn.engine.metrics import latency_report
 from vattn.engine.request import CompletionOutput, RequestMetrics, RequestOutput
@@ -195,7 +195,9 @@ def run(json_path: str | None, plot_dir: str | None, workload: str = "sharegpt",
     cache = resolve(CacheConfig.from_model(model, **engine.cache_settings()))
     budget = kv_budget or default_budget(cache)
     reqs = requests(tokenizer, workload, **sizes)
+    work = flops.workload_flops(model.config, reqs)
     del model
+    peak = flops.gemm_peak_gflops()  # before any worker starts
     systems = list(systems)
     if "vllm_cpu" in systems and peers.vllm_python() is None:
         console.print(f"[bold]vllm_cpu left out:[/bold] {peers.HOW}")
@@ -218,10 +220,11 @@ def run(json_path: str | None, plot_dir: str | None, workload: str = "sharegpt",
     finally:
         for w in workers.values():
             w.close()
-    rows = [_row(name, r, rate_result, memory[r["worker"]], budget, workers[r["worker"]].ran)
+    rows = [_row(name, r, rate_result, memory[r["worker"]], budget, workers[r["worker"]].ran, work)
             for rate_result in results for name, r in rate_result["systems"].items()]
     result = {"workload": workload, **sizes, "requests": len(reqs),
               "prompt_tokens": sum(len(r["prompt"]) for r in reqs), "burstiness": burstiness,
+              "workload_flops": work, "gemm_peak_gflops": peak,
               "request_rate": [rate_label(r) for r in rates], "rounds_per_figure": rounds, "kv_budget_bytes": budget,
               "versions": _versions(workers), "threads": {"torch": torch.get_num_threads(), "cores": os.cpu_count()},
               "rows": rows, "static_sweep": [s for r in results for s in r["sweep"]],
@@ -258,9 +261,10 @@ def _run_rate(workers: dict, reqs: list[dict], rate: float, burstiness: float, r
                        "output_tok_per_s": f["output_tok_per_s"], "chosen": n == best} for n, f in sweep.items()]}
 
 
-def _row(system: str, r: dict, rate_result: dict, rss: int, budget: int, ran: dict) -> dict:
+def _row(system: str, r: dict, rate_result: dict, rss: int, budget: int, ran: dict, work: int) -> dict:
     f = r["figures"]
     return {"system": system, "request_rate": rate_label(rate_result["rate"]),
+            "gflops_per_s": work / f["seconds"] / 1e9,
             **{k: f[k] for k in ("output_tok_per_s", "req_per_s", "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "seconds",
                                  "output_tokens", "kv_bytes_committed")},
             "peak_rss_bytes": rss, "kv_budget_bytes": budget, "same_tokens_as_vattn": r["same_tokens_as_vattn"],
@@ -283,11 +287,13 @@ def _print(result: dict) -> None:
     print_table(f"end to end: {result['requests']} {result['workload']} requests, SmolLM2-135M float32, answers ≤ "
                 f"{result['max_tokens']} tokens, EOS ignored; medians of {result['rounds_per_figure']} rounds",
                 ["system", "rate", "output tok/s", "req/s", "TTFT ms mean / med / p99", "TPOT ms", "ITL ms",
-                 "E2EL ms", "peak RSS GiB", "KV GiB", "same tokens"],
+                 "E2EL ms", "GFLOP/s", "peak RSS GiB", "KV GiB", "same tokens"],
                 [[r["system"], r["request_rate"], f"{r['output_tok_per_s']:.1f}", f"{r['req_per_s']:.2f}",
-                  lat(r["ttft_ms"]), lat(r["tpot_ms"]), lat(r["itl_ms"]), lat(r["e2el_ms"]),
+                  lat(r["ttft_ms"]), lat(r["tpot_ms"]), lat(r["itl_ms"]), lat(r["e2el_ms"]), f"{r['gflops_per_s']:.0f}",
                   f"{r['peak_rss_bytes'] / 2**30:.2f}", f"{r['kv_bytes_committed'] / 2**30:.2f}",
                   f"{r['same_tokens_as_vattn']}/{result['requests']}"] for r in result["rows"]])
+    console.print(f"the workload: {result['workload_flops'] / 1e12:.2f} TFLOP; this machine's float32 GEMM peak: "
+                  f"{result['gemm_peak_gflops']:.0f} GFLOP/s")
     for rate, r in result["ratios"].items():
         console.print(f"rate {rate}: " + ", ".join(f"{k} {v:.2f}×" for k, v in r.items()))
 

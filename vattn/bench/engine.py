@@ -39,7 +39,8 @@ def run(json_path: str | None, num_prompts: int, max_tokens: int, max_num_seqs: 
          f"{shares['with_worker']:.2%} / {shares['without_worker']:.2%}"]]
     kernel, config = llm.engine.runner.kernel.name, llm.engine.config
     print_table(f"engine: {num_prompts} ShareGPT prompts, SmolLM2-135M on {device}, "
-                f"max_num_seqs={config.max_num_seqs}, max_num_batched_tokens={config.max_num_batched_tokens}, {kernel} attention, medians of {rounds} runs",
+                f"max_num_seqs={config.max_num_seqs}, max_num_batched_tokens={config.max_num_batched_tokens}, "
+                f"{kernel} attention, medians of {rounds} runs",
                 ["", ""], rows)
     write_json(json_path, f | {"attention": kernel,
                                "rounds": {"with_worker": results[True], "without_worker": results[False]}})

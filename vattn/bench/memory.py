@@ -241,7 +241,7 @@ def replay_engine(policy: str, trace: Trace, geometry: Geometry, budget: int, ma
 
     engine = LLMEngine(TraceModel(geometry), max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        max_seq_len=max_seq_len, memory_budget=budget, enable_prefix_caching=False,
-                       **engine_settings(policy))
+                       pack_linears=False, fuse_projections=False, **engine_settings(policy))  # it has no linears
     try:
         final = {}
         for prompt, output in trace:

@@ -42,7 +42,8 @@ def run(json_path: str | None, max_num_seqs: list[int], max_num_batched_tokens: 
     finally:
         for w in workers.values():
             w.close()
-    rows = [{"max_num_seqs": s, "max_num_batched_tokens": t} | median_figures(runs[s, t]) for s, t in grid]
+    rows = [{"max_num_seqs": s, "max_num_batched_tokens": t} | median_figures(runs[s, t]) | {"rounds": runs[s, t]}
+            for s, t in grid]
     best = max(rows, key=lambda r: r["output_tok_per_s"])
     result = {"workload": workload, **sizes, "prompt_tokens": sum(len(r["prompt"]) for r in reqs),
               "request_rate": e2e.rate_label(rate), "kv_budget_bytes": budget, "rounds_per_figure": rounds,

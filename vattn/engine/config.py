@@ -26,8 +26,8 @@ class EngineConfig:
     architecture is known (`vattn.engine.linears`); the model is given back
     unchanged by `close()`."""
 
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 64  # the batch limits `vattn bench sweep` found fastest (benchmarks/README.md)
+    max_num_batched_tokens: int = 512
     max_seq_len: int = 2048
     memory_budget: int | None = None
     page_size: int | None = None

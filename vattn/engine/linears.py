@@ -101,7 +101,7 @@ class ServedLinears:
     """What `serve_linears` changed, to undo it."""
 
     replaced: list[tuple[nn.Module, str, nn.Linear]] = field(default_factory=list)  # (parent, name, original)
-    released: list[tuple[nn.Parameter, Linear, slice]] = field(default_factory=list)  # (weight, served, rows)
+    released: list[tuple[nn.Parameter, Linear, slice]] = field(default_factory=list)  # (weight, served, its rows)
     served: list[Linear] = field(default_factory=list)
     held_twice: int = 0  # bytes of weights the model also uses elsewhere, so kept in both forms
 
@@ -120,8 +120,8 @@ class ServedLinears:
 
     def restore(self) -> None:
         """Every original linear back in its place, with its own weight."""
-        for weight, served, rows in self.released:
-            weight.data = served.dense()[rows].clone()
+        for weight, served, part in self.released:
+            weight.data = served.dense()[part].clone()
         for parent, name, original in self.replaced:
             setattr(parent, name, original)
         self.replaced, self.released, self.served, self.held_twice = [], [], [], 0
@@ -131,6 +131,9 @@ def serve_linears(model: nn.Module, pack: bool = True, fuse: bool = True, rows: 
     """Pack (`pack`) and fuse (`fuse`) the model's linears in place; `rows`:
     the GEMM rows oneDNN's layout is chosen for.  Nothing is changed when
     neither applies; a failure part way leaves the model as it was."""
+    done = ServedLinears()
+    if not (pack or fuse):
+        return done
     groups = _fusable(model) if fuse else []
     grouped = {id(m) for _, _, linears in groups for m in linears}
     singles = [(parent, name, m) for parent, name, m in _linears(model)
@@ -139,12 +142,11 @@ def serve_linears(model: nn.Module, pack: bool = True, fuse: bool = True, rows: 
     for _, module in model.named_modules(remove_duplicate=False):
         for p in module.parameters(recurse=False):
             owners[id(p)].add(id(module))
-    done = ServedLinears()
     try:
         for parent, names, linears in groups:
             group = Fused(linears, pack, rows)
             done.served.append(group.gemm)
-            for i, (name, m) in enumerate(zip(names, linears)):
+            for i, name in enumerate(names):
                 _replace(done, owners, parent, name, Part(group, i), group.gemm, group.columns[i])
         for parent, name, m in singles:
             served = Linear(m.weight, m.bias, pack, rows)
@@ -157,12 +159,13 @@ def serve_linears(model: nn.Module, pack: bool = True, fuse: bool = True, rows: 
 
 
 def _replace(done: ServedLinears, owners, parent: nn.Module, name: str, module: nn.Module, served: Linear,
-             rows: slice) -> None:
+             part: slice) -> None:
+    """`parent.name` becomes `module`, computed by `served`, whose weight rows `part` are the original's."""
     original = getattr(parent, name)
     setattr(parent, name, module)
     done.replaced.append((parent, name, original))
     if owners[id(original.weight)] == {id(original)}:  # the served weight is a copy: let the original go
-        done.released.append((original.weight, served, rows))
+        done.released.append((original.weight, served, part))
         original.weight.data = torch.empty(0, dtype=original.weight.dtype, device=original.weight.device)
     else:
         done.held_twice += original.weight.numel() * original.weight.element_size()

@@ -18,7 +18,7 @@ from vattn.engine.metrics import EngineStats
 from vattn.engine.model_runner import ModelRunner
 from vattn.engine.plan import StepPlan
 from vattn.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
-from vattn.engine.sampler import sample
+from vattn.engine.sampler import sample_rows
 from vattn.engine.scheduler import Scheduler
 from vattn.kv.manager import KVCacheManager
 from vattn.kv.paged import PagedKVCache
@@ -138,11 +138,12 @@ class LLMEngine:
     def _sample(self, rows: list[tuple[Request, list[Sequence]]], logits: torch.Tensor) -> list[RequestOutput]:
         now = time.perf_counter()
         new = {}  # request -> {sample index: new token}
-        for row, (req, seqs) in enumerate(rows):
-            for s in seqs:
-                s.token_ids.append(sample(logits[row], req.params, s.generator))
-                new.setdefault(req, {})[s.index] = s.token_ids[-1]
-                self._check_stop(req, s)
+        picked = [(row, req, s) for row, (req, seqs) in enumerate(rows) for s in seqs]
+        tokens = sample_rows(logits, [(row, req.params, s.generator) for row, req, s in picked])
+        for (_, req, s), token in zip(picked, tokens):
+            s.token_ids.append(token)
+            new.setdefault(req, {})[s.index] = token
+            self._check_stop(req, s)
         outputs = []
         for req, tokens in new.items():
             req.token_times.append(now)

@@ -41,7 +41,7 @@ class ModelRunner:
         device = self.model.device
         with torch.inference_mode():
             out = self.model(input_ids=torch.tensor([ids], device=device),
-                             position_ids=torch.tensor([batch.positions()], device=device), use_cache=False,
+                             position_ids=batch.positions()[None], use_cache=False,
                              logits_to_keep=torch.tensor(rows or [len(ids) - 1], device=device), vattn_batch=batch)
         return out.logits[0].cpu()  # sampling runs on the host, with each sequence's own generator
 

@@ -6,6 +6,13 @@ import torch
 from vattn.sampling_params import SamplingParams
 
 
+def sample_rows(logits: torch.Tensor, picks: list[tuple[int, SamplingParams, torch.Generator | None]]) -> list[int]:
+    """A token for each (row of `logits [rows, vocab]`, params, generator):
+    the greedy ones from one argmax over the batch, the others one by one."""
+    best = logits.argmax(-1).tolist() if any(p.greedy for _, p, _ in picks) else None
+    return [best[row] if p.greedy else sample(logits[row], p, g) for row, p, g in picks]
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token from `logits [vocab]`."""
     if params.greedy:
