@@ -19,6 +19,7 @@ BUDGET = 1 << 30
 def test_every_system_gets_the_same_kv_budget():
     token = CACHE.kv_bytes_per_token
     assert e2e.settings("vattn", BUDGET, CACHE, 2048) == [{"memory_budget": BUDGET}]
+    assert e2e.settings("vattn_compiled", BUDGET, CACHE, 2048) == [{"memory_budget": BUDGET, "compile": True}]
     assert e2e.settings("paged_32", BUDGET, CACHE, 2048) == [
         {"memory_budget": BUDGET, "kv_cache": "paged", "block_size": 32}]
     (vllm,) = e2e.settings("vllm_cpu", BUDGET, CACHE, 2048)

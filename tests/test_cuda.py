@@ -6,7 +6,7 @@ from tiny_models import CACHE_KEYWORD, TINY, tiny_model
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from vattn import CacheConfig, SamplingParams, VirtualKVCache
-from vattn.attention import StepBatch, attention
+from vattn.attention import StepBatch, attention, step
 from vattn.backends import CudaBackend, CudaUnavailable, get_backend
 from vattn.backends.cuda import unavailable
 from vattn.bench.soak import pool_is_whole
@@ -103,7 +103,8 @@ def test_attention_on_cuda_matches_the_host():
         batch = StepBatch(cache, [0, 1, 2], lengths, [(chunk, 0, 48)])
         q, k, v = (torch.randn(1, H, 51, 64, generator=g).to(torch.bfloat16).to(device) for H in (8, 2, 2))
         module = type("Layer", (), {"layer_idx": 0})()
-        outs.append(attention(module, q, k, v, None, scaling=0.125, vattn_batch=batch)[0].float().cpu())
+        with step(batch):
+            outs.append(attention(module, q, k, v, None, scaling=0.125)[0].float().cpu())
     torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
 
 

@@ -175,3 +175,20 @@ def test_a_failure_part_way_leaves_the_model_as_it_was(monkeypatch):
     with pytest.raises(RuntimeError, match="packed weight"):
         serve_linears(model)
     assert_unchanged(model, before, modules)
+
+
+def test_a_compiled_model_gives_the_same_tokens_from_one_graph():
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("qwen2", "sdpa")
+    reference = [hf_greedy(model, p, 40) for p in prompts()]
+    before, modules = snapshot(model), [(n, type(m)) for n, m in model.named_modules()]
+    graphs = counters["stats"]["unique_graphs"]
+    engine = engine_for(model, compile=True, max_num_batched_tokens=24)
+    assert engine.runner.linears.num_gemms == 0  # inductor packs the weights itself
+    assert run(engine, [(p, greedy()) for p in prompts()]) == [[r] for r in reference]
+    tokens = set(engine.stats.tokens)
+    assert 1 in tokens and len(tokens) >= 4  # steps of one token and of many, one graph for all
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    engine.close()
+    assert_unchanged(model, before, modules)

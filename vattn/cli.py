@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burstiness", type=float, default=1.0, help="e2e: gamma shape of the arrivals (1: Poisson)")
     p.add_argument("--rounds", type=int, default=3, help="e2e, engine, sweep: rounds per figure (median reported)")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS),
-                   help=f"e2e: systems to run (default: {' '.join(SYSTEMS)}; paged_N for other block sizes)")
+                   help=f"e2e: systems to run (default: {' '.join(SYSTEMS)}; paged_N for other block sizes, "
+                        "vattn_compiled for the engine with compile=True)")
     p.add_argument("--kv-budget", help="e2e: KV memory of every system in bytes, e.g. 2GiB (default: vattn's own)")
     p.add_argument("--quick", action="store_true", help="e2e: a smaller run (12 requests, answers ≤ 32 tokens)")
     p.add_argument("--log-dir", help="e2e: where the systems' logs go (default: a temporary folder)")

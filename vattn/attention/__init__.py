@@ -9,31 +9,63 @@ the host, FlashAttention (`flash`) on CUDA with flash-attn installed and a
 16-bit virtual cache, else torch SDPA (`sdpa`).
 
 `register()` makes `attention` available to transformers as
-`attn_implementation="vattn"`; it expects `vattn_batch=StepBatch` among the
-model's keyword arguments, which transformers passes through to attention.
+`attn_implementation="vattn"`.  It attends for the `StepBatch` of the
+forward running inside `step(batch)`, through one torch operator,
+`vattn::attention`, so that `torch.compile` traces a model around it without
+breaking its graph.
 """
+import threading
+from contextlib import contextmanager
+
+import torch
+
 from vattn.attention.flash import flash_attn_with_kvcache  # None without flash-attn; the kernel benchmarks call it
 from vattn.attention.metadata import StepBatch
 from vattn.attention.sdpa import decode, prefill
 
-__all__ = ["NAME", "StepBatch", "attention", "decode", "flash_attn_with_kvcache", "prefill", "register"]
+__all__ = ["NAME", "StepBatch", "attention", "decode", "flash_attn_with_kvcache", "prefill", "register", "step"]
 
 NAME = "vattn"
 
 
-def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-              vattn_batch: StepBatch | None = None, **kwargs):
+_steps = threading.local()  # the StepBatch of the forward each thread runs
+
+
+@contextmanager
+def step(batch: StepBatch):
+    """Attention inside this block serves `batch`."""
+    outer, _steps.batch = getattr(_steps, "batch", None), batch
+    try:
+        yield
+    finally:
+        _steps.batch = outer
+
+
+def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
     """transformers' attention-interface signature: `query [1, H, T, D]`,
     `key`/`value [1, H_kv, T, D]`; returns `([1, T, H, D], None)`."""
-    if vattn_batch is None:
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return attend_step(query, key, value, module.layer_idx, scaling, sliding_window or 0), None
+
+
+@torch.library.custom_op("vattn::attention", mutates_args=())
+def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
+                window: int) -> torch.Tensor:
+    """Write layer `layer`'s K/V of the step into the cache, and attend (`window` 0: none)."""
+    b = getattr(_steps, "batch", None)
+    if b is None:
         raise RuntimeError('attn_implementation="vattn" runs inside vattn.LLMEngine steps only')
-    b, layer = vattn_batch, module.layer_idx
     if query.shape[2] != b.num_tokens:
         raise ValueError(f"the forward has {query.shape[2]} tokens; its StepBatch describes {b.num_tokens}")
     q = query[0].transpose(0, 1)  # [T, H, D]
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
     b.write(layer, k, v, store=not b.kernel.stores_kv)
-    return b.kernel.run(b, layer, q, k, v, scaling, sliding_window).unsqueeze(0), None
+    return b.kernel.run(b, layer, q, k, v, scaling, window or None).unsqueeze(0)
+
+
+@attend_step.register_fake
+def _(query, key, value, layer, scaling, window):
+    return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
 
 
 def register() -> None:

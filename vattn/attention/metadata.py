@@ -38,10 +38,10 @@ class StepBatch:
         return len(self.decode_slots) + sum(n for _, _, n in self.chunks)
 
     def positions(self) -> torch.Tensor:
-        """`[T]`: every token's position, on the cache's device."""
+        """`[1, T]`: every token's position, on the cache's device."""
         device = self.cache.device
-        return torch.cat([torch.tensor(self.decode_positions, dtype=torch.long, device=device),
-                          *(torch.arange(start, start + n, device=device) for _, start, n in self.chunks)])
+        return torch.cat([torch.tensor([self.decode_positions], dtype=torch.long, device=device),
+                          *(torch.arange(start, start + n, device=device)[None] for _, start, n in self.chunks)], 1)
 
     def prefill_chunks(self) -> Iterator[tuple[int, int, slice]]:
         """(slot, first position, the chunk's rows among the forward's tokens) of each prefill chunk."""

@@ -1,7 +1,8 @@
 """`vattn bench e2e`: the same requests through vattn's engine and the peers
 a user would pick instead, measured as `vllm bench` measures them.
 
-Systems: `vattn` (the engine, defaults), `paged_16` (the same engine on the
+Systems: `vattn` (the engine, defaults), `vattn_compiled` (the engine with
+`compile=True`; not run unless named), `paged_16` (the same engine on the
 paged baseline), `vllm_cpu` (vLLM's own CPU engine, from the peer environment:
 `peers.py`), `hf_continuous_batching` and `hf_static` (transformers' own
 serving paths).  Each runs in a process of its own (`serve_worker.py`,
@@ -75,6 +76,8 @@ def settings(system: str, budget: int, cache, max_seq_len: int) -> list[dict]:
     token = cache.kv_bytes_per_token
     if system == "vattn":
         return [{"memory_budget": budget}]
+    if system == "vattn_compiled":
+        return [{"memory_budget": budget, "compile": True}]
     if system.startswith("paged_"):
         return [{"memory_budget": budget, "kv_cache": "paged", "block_size": int(system.removeprefix("paged_"))}]
     if system == "vllm_cpu":

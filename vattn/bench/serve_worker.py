@@ -11,7 +11,8 @@ each one added once its arrival offset has passed, and `{"done": out}`
 answers when `out` holds each request's tokens and times (seconds from the
 round's start).  Anything else the libraries print goes to stderr.
 
-Systems: `vattn` (the engine on the virtual cache), `paged_<block size>`
+Systems: `vattn` (the engine on the virtual cache; `vattn_compiled` with
+`compile=True`), `paged_<block size>`
 (the same engine on `PagedKVCache`), `hf_continuous_batching` and
 `hf_static` (transformers' own serving paths, `hf_serving.py`).  Every one
 runs with the options in SETTINGS (`options`: the KV memory budget among
@@ -96,7 +97,7 @@ def _record(output, start: float, arrival: float) -> dict:
             "token_times": [t - start for t in m.token_times], "finish": m.finish_time - start}
 
 
-SYSTEMS = {"vattn": serve_engine, "paged": serve_engine,
+SYSTEMS = {"vattn": serve_engine, "vattn_compiled": serve_engine, "paged": serve_engine,
            "hf_continuous_batching": partial(serve_hf, system="hf_continuous_batching"),
            "hf_static": partial(serve_hf, system="hf_static")}
 

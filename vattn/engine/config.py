@@ -24,7 +24,10 @@ class EngineConfig:
     `pack_linears` pre-packs the model's linear weights for oneDNN on the CPU
     and `fuse_projections` runs Q/K/V and gate/up as one GEMM each where the
     architecture is known (`vattn.engine.linears`); the model is given back
-    unchanged by `close()`."""
+    unchanged by `close()`.  `compile` runs the model through `torch.compile`
+    (one graph for every step, compiled by the first; inductor's freezing
+    packs the weights, so `pack_linears` and `fuse_projections` do not
+    apply)."""
 
     max_num_seqs: int = 64  # the batch limits `vattn bench sweep` found fastest (benchmarks/README.md)
     max_num_batched_tokens: int = 512
@@ -43,6 +46,7 @@ class EngineConfig:
     attention: str | None = None
     pack_linears: bool = True
     fuse_projections: bool = True
+    compile: bool = False
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len", "block_size"):
@@ -50,7 +54,7 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
         for name in ("enable_prefix_caching", "map_ahead", "deferred_reclamation", "pack_linears",
-                     "fuse_projections"):
+                     "fuse_projections", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.preemption_mode not in PREEMPTION_MODES:

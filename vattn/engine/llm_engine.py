@@ -38,7 +38,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.cache, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(model, self.cache, config.attention, config.pack_linears, config.fuse_projections,
-                                  config.max_num_seqs)
+                                  config.max_num_seqs, config.compile)
         self.model, self.tokenizer = model, tokenizer
         self.worker = MapWorker() if config.map_ahead else None
         self.requests: dict[str, Request] = {}

@@ -6,6 +6,8 @@ fused for the CPU (`linears`); the model is called with `use_cache=False`,
 one flat batch per step, and the logits of the rows that sample come back.
 `close()` gives the model back as it came.
 """
+import contextlib
+
 import torch
 
 from vattn import attention
@@ -17,17 +19,22 @@ from vattn.kv.slots import SlotCache
 
 class ModelRunner:
     def __init__(self, model, cache: SlotCache, kernel: str | None = None, pack: bool = True, fuse: bool = True,
-                 rows: int = 32):
+                 rows: int = 32, compile: bool = False):
         """`kernel`: the attention kernel by name (`registry.KERNELS`); None:
         the first that serves the cache's device, dtype, kind and head dim.
-        `pack`, `fuse`: `serve_linears`'s, for GEMMs of about `rows` rows."""
+        `pack`, `fuse`: `serve_linears`'s, for GEMMs of about `rows` rows.
+        `compile`: run the model through `torch.compile` instead, one graph
+        for every step (its token and row counts are unbacked sizes), with
+        inductor's freezing, which packs the weights itself."""
         c = cache.config
         self.kernel = registry.pick(cache.device.type, c.dtype, cache.kind, c.head_dim, kernel)
         attention.register()
         self.model, self.cache = model.eval(), cache
-        self.linears = serve_linears(model, pack, fuse, rows)
+        self.linears = serve_linears(model, pack and not compile, fuse and not compile, rows)
         self._model_attention = model.config._attn_implementation  # given back by close()
         model.set_attn_implementation(attention.NAME)
+        self.compiled = compile
+        self._forward = torch.compile(model, dynamic=True) if compile else model
 
     def run(self, plan: StepPlan) -> torch.Tensor:
         """Logits `[rows, vocab]` (on the host), a row per work that samples, in plan order."""
@@ -39,13 +46,24 @@ class ModelRunner:
             if w.samples:
                 rows.append(len(ids) - 1)
         device = self.model.device
-        with torch.inference_mode():
-            out = self.model(input_ids=torch.tensor([ids], device=device),
-                             position_ids=batch.positions()[None], use_cache=False,
-                             logits_to_keep=torch.tensor(rows or [len(ids) - 1], device=device), vattn_batch=batch)
+        inputs = dict(input_ids=torch.tensor([ids], device=device), position_ids=batch.positions(),
+                      logits_to_keep=torch.tensor(rows or [len(ids) - 1], device=device))
+        if self.compiled:  # no size is specialized (dynamic shapes otherwise recompile for 1)
+            for name, dim in (("input_ids", 1), ("position_ids", 1), ("logits_to_keep", 0)):
+                torch._dynamo.decorators.mark_unbacked(inputs[name], dim)
+        with torch.inference_mode(), attention.step(batch), _freezing(self.compiled):
+            out = self._forward(**inputs, use_cache=False)
         return out.logits[0].cpu()  # sampling runs on the host, with each sequence's own generator
 
     def close(self) -> None:
         """Give the model its own linears and attention back."""
+        self._forward = None
         self.linears.restore()
         self.model.set_attn_implementation(self._model_attention)
+
+
+def _freezing(compiled: bool):
+    """Inductor's freezing (weights as constants, pre-packed) for the compile a call may make."""
+    import torch._inductor.config
+
+    return torch._inductor.config.patch(freezing=True) if compiled else contextlib.nullcontext()
