@@ -29,9 +29,9 @@ def serve(model, prompts: list[list[int]], max_tokens: int, memory_budget: int |
                                     [(kv.slot(s), computed[s], want[s] - computed[s]) for s in step[len(decodes):]])
         ids = [t for s in step for t in tokens[s][computed[s]:want[s]]]
         ends = torch.tensor([want[s] - computed[s] for s in step]).cumsum(0) - 1
-        with torch.inference_mode():
-            logits = model(input_ids=torch.tensor([ids]), position_ids=torch.tensor([batch.positions()]),
-                           use_cache=False, vattn_batch=batch).logits[0, ends]
+        with torch.inference_mode(), attention.step(batch):
+            logits = model(input_ids=torch.tensor([ids]), position_ids=batch.positions(),
+                           use_cache=False).logits[0, ends]
         for s, row in zip(step, logits):
             computed[s] = want[s]
             kv.cache_tokens(s, tokens[s], computed[s])

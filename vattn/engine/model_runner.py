@@ -2,8 +2,9 @@
 
 The model's attention is switched to `vattn.attention` (which writes K/V into
 the cache and reads live rows only); its linears are packed and
-fused for the CPU (`linears`); the model is called with `use_cache=False`,
-one flat batch per step, and the logits of the rows that sample come back.
+fused for the CPU (`linears`), or the whole model is compiled (`compile`); it
+is called with `use_cache=False`, one flat batch per step, and the logits of
+the rows that sample come back.
 `close()` gives the model back as it came.
 """
 import contextlib
