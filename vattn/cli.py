@@ -153,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.set_defaults(func=demo)
     p = commands.add_parser("bench", help="benchmarks")
-    p.add_argument("what", choices=["vmm", "hf", "engine", "sweep", "soak", "memory", "kernels", "e2e",
-                                       "gpu"])
+    p.add_argument("what", choices=["vmm", "hf", "engine", "sweep", "soak", "memory", "kernels", "e2e", "gpu"])
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--plot", metavar="DIR", help="memory, kernels, e2e: also write PNG charts there")
     p.add_argument("--repeats", type=int, default=15, help="runs per measurement (median reported)")
@@ -195,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS),
                    help=f"e2e: systems to run (default: {' '.join(SYSTEMS)}; paged_N for other block sizes, "
                         "vattn_compiled for the engine with compile=True)")
-    p.add_argument("--kv-budget", help="e2e: KV memory of every system in bytes, e.g. 2GiB (default: vattn's own)")
+    p.add_argument("--kv-budget", help="e2e: KV memory of every system in bytes, e.g. 2GiB "
+                                        "(default: 32 sequences of 2,048 tokens)")
     p.add_argument("--quick", action="store_true", help="e2e: a smaller run (12 requests, answers ≤ 32 tokens)")
     p.add_argument("--log-dir", help="e2e: where the systems' logs go (default: a temporary folder)")
     p.set_defaults(func=bench)
