@@ -15,6 +15,7 @@ While served, a weight is held once: the original parameter's storage is let
 go and rebuilt from the served weight by `restore()`, unless the model uses
 that parameter elsewhere too (a tied LM head), which keeps both.
 """
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -69,7 +70,7 @@ class Fused(nn.Module):
         super().__init__()
         bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
         self.gemm = Linear(torch.cat([m.weight for m in linears]), bias, pack, rows)
-        ends = torch.tensor([m.out_features for m in linears]).cumsum(0).tolist()
+        ends = list(itertools.accumulate(m.out_features for m in linears))
         self.columns = [slice(end - m.out_features, end) for end, m in zip(ends, linears)]
         self._input, self._version, self._output, self._unread = None, -1, None, set()
 

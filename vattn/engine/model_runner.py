@@ -65,6 +65,8 @@ class ModelRunner:
 
 def _freezing(compiled: bool):
     """Inductor's freezing (weights as constants, pre-packed) for the compile a call may make."""
+    if not compiled:
+        return contextlib.nullcontext()
     import torch._inductor.config
 
-    return torch._inductor.config.patch(freezing=True) if compiled else contextlib.nullcontext()
+    return torch._inductor.config.patch(freezing=True)
