@@ -148,7 +148,7 @@ def test_an_architecture_the_fusion_does_not_know_is_served_unfused():
 
 @pytest.mark.parametrize("settings, message", [
     (dict(pack_linears="yes"), "pack_linears must be a bool"), (dict(fuse_projections=1), "fuse_projections"),
-    (dict(attention="fastest"), "fastest"),
+    (dict(compile="yes"), "compile must be a bool"), (dict(attention="fastest"), "fastest"),
 ])
 def test_bad_settings_leave_the_model_untouched(settings, message):
     model = tiny_model("llama", "sdpa")
