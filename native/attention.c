@@ -35,7 +35,7 @@
 /* the vector helpers are all inlined: no vector crosses a call */
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-enum { BLOCK = 8, TILE = 16, MAX_HEAD_DIM = 256, MIN_SPLIT = 128, SERIAL_ROWS = 1024 };
+enum { BLOCK = 32, TILE = 16, MAX_HEAD_DIM = 256, MIN_SPLIT = 128, SERIAL_ROWS = 1024 };
 enum { F32 = 0, BF16 = 1 };
 enum { REQ_SLOT, REQ_START, REQ_LENGTH, REQ_Q_FIRST, REQ_NUM_Q, REQ_FIELDS };
 
