@@ -86,3 +86,28 @@ def test_the_engine_takes_a_kernel_by_name():
     engine.close()
     with pytest.raises(ValueError, match="unknown attention kernel 'fastest'"):
         LLMEngine(model, max_num_seqs=2, max_seq_len=64, attention="fastest")
+
+
+@pytest.mark.parametrize("head_dim", [68, 100, 264])
+def test_flash_is_passed_over_for_a_head_dim_it_would_pad_and_the_choice_is_said(head_dim):
+    registry.pick.cache_clear()
+    with pytest.warns(UserWarning, match=f"'flash' does not take head_dim {head_dim}.*multiple of 8 up to 256.*"
+                                         "running 'sdpa'"):
+        assert pick("cuda", torch.bfloat16, "virtual", head_dim, flash_available=True).name == "sdpa"
+    with pytest.raises(ValueError, match=f"'flash' cannot serve.*head_dim {head_dim}.*multiple of 8 up to 256"):
+        pick("cuda", torch.bfloat16, "virtual", head_dim, "flash", flash_available=True)
+
+
+@pytest.mark.parametrize("head_dim", [8, 64, 72, 256])
+def test_flash_takes_head_dims_in_multiples_of_8_up_to_256(head_dim):
+    assert pick("cuda", torch.float16, "virtual", head_dim, flash_available=True).name == "flash"
+
+
+def test_the_native_kernel_passed_over_for_its_head_dim_is_said_and_other_misses_are_not(recwarn):
+    registry.pick.cache_clear()
+    with pytest.warns(UserWarning, match="'native' does not take head_dim 72.*running 'sdpa'"):
+        pick("cpu", torch.float32, "virtual", 72)
+    recwarn.clear()
+    assert pick("cpu", torch.float16, "virtual", 72).name == "sdpa"  # native does not take float16 at all
+    assert pick("cuda", torch.bfloat16, "virtual", 72, flash_available=False).name == "sdpa"  # no flash-attn
+    assert not [w for w in recwarn if "does not take head_dim" in str(w.message)]

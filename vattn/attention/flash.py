@@ -14,6 +14,14 @@ except ImportError:  # optional: CUDA only
     flash_attn_with_kvcache = None
 
 AVAILABLE = flash_attn_with_kvcache is not None
+MAX_HEAD_DIM = 256
+
+
+def serves_head_dim(head_dim: int) -> bool:
+    """flash-attn pads any other head dim up to a multiple of 8 by copying the
+    whole cache view it is given, which reads the reservation's unmapped pages
+    (an illegal address), and has no kernels past 256."""
+    return head_dim % 8 == 0 and 0 < head_dim <= MAX_HEAD_DIM
 
 
 def run(b: StepBatch, layer: int, q, k, v, scaling, window) -> torch.Tensor:

@@ -5,6 +5,7 @@ class: "virtual" hands kernels whole-buffer views, "paged" gathers rows
 through block tables) and head dims.  FlashAttention needs the optional
 flash-attn package; vattn's own CPU kernel (`native`) is part of the C core.
 """
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -26,8 +27,12 @@ class Kernel:
     head_dims_text: str = ""
 
     def serves(self, device_type: str, dtype: torch.dtype, cache_kind: str, head_dim: int) -> bool:
+        return self.serves_but_head_dim(device_type, dtype, cache_kind) and (
+            self.head_dims is None or self.head_dims(head_dim))
+
+    def serves_but_head_dim(self, device_type: str, dtype: torch.dtype, cache_kind: str) -> bool:
         return (device_type in self.device_types and (self.dtypes is None or dtype in self.dtypes)
-                and cache_kind in self.cache_kinds and (self.head_dims is None or self.head_dims(head_dim)))
+                and cache_kind in self.cache_kinds)
 
     def describe(self) -> str:
         dtypes = "any dtype" if self.dtypes is None else "/".join(map(_dtype_name, self.dtypes))
@@ -39,7 +44,8 @@ KERNELS = {k.name: k for k in (
            cache_kinds=("virtual",), head_dims=native.serves_head_dim,
            head_dims_text=f", head_dim a multiple of 16 up to {native.MAX_HEAD_DIM}"),
     Kernel("flash", flash.run, stores_kv=True, device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16),
-           cache_kinds=("virtual",)),
+           cache_kinds=("virtual",), head_dims=flash.serves_head_dim,
+           head_dims_text=f", head_dim a multiple of 8 up to {flash.MAX_HEAD_DIM}"),
     Kernel("sdpa", sdpa.run, stores_kv=False, device_types=("cpu", "cuda"), dtypes=None,
            cache_kinds=("virtual", "paged")),
 )}
@@ -49,13 +55,16 @@ KERNELS = {k.name: k for k in (
 def pick(device_type: str, dtype: torch.dtype, cache_kind: str, head_dim: int, name: str | None = None, *,
          flash_available: bool = flash.AVAILABLE) -> Kernel:
     """The kernel `name`, or (None) the first in `KERNELS` that serves this
-    device type, dtype, cache kind and head dim; a ValueError if it cannot."""
+    device type, dtype, cache kind and head dim, with a warning for any kernel
+    ahead of it passed over for the head dim alone; a ValueError if it cannot."""
     if name is not None and name not in KERNELS:
         raise ValueError(f"unknown attention kernel {name!r}; the kernels are {', '.join(map(repr, KERNELS))}")
     serving = [k for k in KERNELS.values()
                if k.serves(device_type, dtype, cache_kind, head_dim) and (flash_available or k.name != "flash")]
     for kernel in serving:
         if name in (None, kernel.name):
+            if name is None:
+                _say_why_not(device_type, dtype, cache_kind, head_dim, kernel, flash_available)
             return kernel
     wanted = [KERNELS[name]] if name else list(KERNELS.values())
     reasons = "; ".join(f"{k.name!r} serves {k.describe()}" for k in wanted)
@@ -65,6 +74,16 @@ def pick(device_type: str, dtype: torch.dtype, cache_kind: str, head_dim: int, n
     raise ValueError(f"{whom} {device_type}, {_dtype_name(dtype)}, a {cache_kind} cache, head_dim {head_dim} "
                      f"({reasons}); "
                      f"the kernels that can: {', '.join(repr(k.name) for k in serving) or 'none'}")
+
+
+def _say_why_not(device_type, dtype, cache_kind, head_dim, chosen: Kernel, flash_available: bool) -> None:
+    """Warn of each kernel ahead of `chosen` that would serve but for the head dim."""
+    for k in KERNELS.values():
+        if k is chosen:
+            return
+        if (flash_available or k.name != "flash") and k.serves_but_head_dim(device_type, dtype, cache_kind):
+            warnings.warn(f"attention kernel {k.name!r} does not take head_dim {head_dim} ({k.describe()}); "
+                          f"running {chosen.name!r}", stacklevel=3)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
