@@ -15,7 +15,9 @@ from vattn.engine import LLMEngine
 from vattn.integrations.hf import VAttnCache
 
 NO_CUDA = unavailable()
-cuda = pytest.mark.skipif(NO_CUDA is not None, reason=f"needs a CUDA GPU: {NO_CUDA}")
+def cuda(test):
+    """A test that runs on the GPU (`gpu`: what `vattn bench gpu` runs), skipped without one."""
+    return pytest.mark.gpu(pytest.mark.skipif(NO_CUDA is not None, reason=f"needs a CUDA GPU: {NO_CUDA}")(test))
 
 
 @pytest.mark.skipif(NO_CUDA is None, reason="checks the refusal where CUDA is absent; this machine has a GPU")

@@ -96,7 +96,7 @@ def bench(args) -> None:
     elif args.what == "gpu":
         from vattn.bench import gpu
 
-        gpu.run(args.json, num_prompts=args.num_prompts or 64, max_tokens=args.max_tokens or 64)
+        sys.exit(gpu.run(args.json, num_prompts=args.num_prompts or 64, max_tokens=args.max_tokens or 64))
     elif args.what == "e2e":
         from vattn.bench import e2e
 

