@@ -15,6 +15,8 @@ from vattn.engine import LLMEngine
 from vattn.integrations.hf import VAttnCache
 
 NO_CUDA = unavailable()
+
+
 def cuda(test):
     """A test that runs on the GPU (`gpu`: what `vattn bench gpu` runs), skipped without one."""
     return pytest.mark.gpu(pytest.mark.skipif(NO_CUDA is not None, reason=f"needs a CUDA GPU: {NO_CUDA}")(test))
