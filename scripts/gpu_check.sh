@@ -22,8 +22,8 @@ if ! $PY -c "import vattn._native" 2>/dev/null; then
     echo "building vattn._native in place" | tee -a "$LOG"
     INCLUDE=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")
     SUFFIX=$($PY -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
-    ${CC:-cc} -O3 -shared -fPIC -fopenmp -I"$INCLUDE" native/vmm.c native/dlpack.c native/attention.c \
-        -o "vattn/_native$SUFFIX" 2>&1 | tee -a "$LOG" || exit 1
+    ${CC:-cc} -O3 -shared -fPIC -fopenmp -I"$INCLUDE" native/*.c -o "vattn/_native$SUFFIX" \
+        2>&1 | tee -a "$LOG" || exit 1
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     $PY -c "import vattn._native" || exit 1
 fi

@@ -59,8 +59,7 @@ def pick(device_type: str, dtype: torch.dtype, cache_kind: str, head_dim: int, n
     ahead of it passed over for the head dim alone; a ValueError if it cannot."""
     if name is not None and name not in KERNELS:
         raise ValueError(f"unknown attention kernel {name!r}; the kernels are {', '.join(map(repr, KERNELS))}")
-    serving = [k for k in KERNELS.values()
-               if k.serves(device_type, dtype, cache_kind, head_dim) and (flash_available or k.name != "flash")]
+    serving = [k for k in _installed(flash_available) if k.serves(device_type, dtype, cache_kind, head_dim)]
     for kernel in serving:
         if name in (None, kernel.name):
             if name is None:
@@ -78,12 +77,17 @@ def pick(device_type: str, dtype: torch.dtype, cache_kind: str, head_dim: int, n
 
 def _say_why_not(device_type, dtype, cache_kind, head_dim, chosen: Kernel, flash_available: bool) -> None:
     """Warn of each kernel ahead of `chosen` that would serve but for the head dim."""
-    for k in KERNELS.values():
+    for k in _installed(flash_available):
         if k is chosen:
             return
-        if (flash_available or k.name != "flash") and k.serves_but_head_dim(device_type, dtype, cache_kind):
+        if k.serves_but_head_dim(device_type, dtype, cache_kind):
             warnings.warn(f"attention kernel {k.name!r} does not take head_dim {head_dim} ({k.describe()}); "
                           f"running {chosen.name!r}", stacklevel=3)
+
+
+def _installed(flash_available: bool) -> list[Kernel]:
+    """The kernels whose code is here, in order of preference."""
+    return [k for k in KERNELS.values() if flash_available or k.name != "flash"]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

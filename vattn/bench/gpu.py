@@ -136,44 +136,44 @@ def run(json_path: str | None, num_prompts: int = 64, max_tokens: int = 64, repe
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "page_size": get_backend("cuda").granularity}
     options = dict(num_prompts=num_prompts, max_tokens=max_tokens, repeats=repeats)
-    for name, seconds in PARTS.items():
-        result[name] = run_part([sys.executable, "-m", "vattn.bench.gpu", name, json.dumps(options)], seconds)
+    for name, limit in PARTS.items():
+        result[name] = run_part([sys.executable, "-m", "vattn.bench.gpu", name, json.dumps(options)], limit)
         result["seconds"] = time.perf_counter() - start
         write_json(json_path, result)  # what is known so far
     print_table("GPU check", ["", ""], summary_rows(result))
     return 0 if all(result[name]["status"] in ("passed", "skipped") for name in PARTS) else 1
 
 
-def run_part(command: list[str], seconds: float) -> dict:
-    """Run a part's process (and whatever it starts) for at most `seconds`.
+def run_part(command: list[str], limit: float) -> dict:
+    """Run a part's process (and whatever it starts) for at most `limit` seconds.
     Its last stdout line is its JSON answer: {"result": ...}, {"skipped":
     why} or {"error": ...}.  Status: passed, skipped, failed or timed out."""
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
         try:
-            out, _ = proc.communicate(timeout=seconds)
+            out, _ = proc.communicate(timeout=limit)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # the part and every process it started
             proc.communicate()
-            return {"status": "timed out", "error": f"no answer within {seconds:g} s",
+            return {"status": "timed out", "error": f"no answer within {limit:g} s",
                     "seconds": time.perf_counter() - start}
         log.seek(0)
         tail = log.read()[-2000:]
     lines = out.strip().splitlines()
     console.print("\n".join(lines[:-1])[-4000:], tail, markup=False, highlight=False)
-    seconds = time.perf_counter() - start
+    elapsed = time.perf_counter() - start
     try:
         answer = json.loads(lines[-1])
     except (IndexError, ValueError):
         return {"status": "failed", "error": f"exited {proc.returncode} without an answer: {tail[-300:]}",
-                "seconds": seconds}
+                "seconds": elapsed}
     if "skipped" in answer:
-        return {"status": "skipped", "reason": answer["skipped"], "seconds": seconds}
+        return {"status": "skipped", "reason": answer["skipped"], "seconds": elapsed}
     if "error" in answer or proc.returncode:
-        return {"status": "failed", "error": answer.get("error", f"exited {proc.returncode}"), "seconds": seconds}
-    failed = answer["result"].get("failed", 0) if isinstance(answer["result"], dict) else 0
-    return {"status": "failed" if failed else "passed", "seconds": seconds} | answer["result"]
+        return {"status": "failed", "error": answer.get("error", f"exited {proc.returncode}"), "seconds": elapsed}
+    status = "failed" if answer["result"].get("failed") else "passed"  # the tests part counts its failures
+    return {"status": status, "seconds": elapsed} | answer["result"]
 
 
 def _part(name: str, options: dict) -> dict:
