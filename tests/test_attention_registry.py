@@ -5,11 +5,15 @@ import torch
 from vattn.attention import registry
 from vattn.attention.registry import pick
 
+EVERY = frozenset(registry.KERNELS)  # as if flash-attn and triton were installed
+NO_FLASH = EVERY - {"flash"}
+NEITHER = EVERY - {"flash", "triton"}
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("flash_available", [True, False])
-def test_the_host_takes_the_native_kernel_for_virtual_caches(dtype, flash_available):
-    kernel = pick("cpu", dtype, "virtual", 64, flash_available=flash_available)
+@pytest.mark.parametrize("installed", [EVERY, NEITHER])
+def test_the_host_takes_the_native_kernel_for_virtual_caches(dtype, installed):
+    kernel = pick("cpu", dtype, "virtual", 64, installed=installed)
     assert kernel.name == "native" and not kernel.stores_kv
 
 
@@ -23,36 +27,45 @@ def test_the_host_takes_sdpa_where_the_native_kernel_cannot_serve(dtype, kind, h
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_takes_flash_for_16_bit_virtual_caches_when_installed(dtype):
-    kernel = pick("cuda", dtype, "virtual", 64, flash_available=True)
+    kernel = pick("cuda", dtype, "virtual", 64, installed=EVERY)
     assert kernel.name == "flash" and kernel.stores_kv
-    assert pick("cuda", dtype, "virtual", 64, flash_available=False).name == "sdpa"
+    assert pick("cuda", dtype, "virtual", 64, installed=NO_FLASH).name == "triton"
+    assert pick("cuda", dtype, "virtual", 64, installed=NEITHER).name == "sdpa"
 
 
-def test_cuda_takes_sdpa_for_float32_and_for_paged_caches():
-    assert pick("cuda", torch.float32, "virtual", 64, flash_available=True).name == "sdpa"
-    assert pick("cuda", torch.bfloat16, "paged", 64, flash_available=True).name == "sdpa"
+def test_cuda_decodes_float32_virtual_caches_with_triton_and_paged_caches_with_sdpa():
+    assert pick("cuda", torch.float32, "virtual", 64, installed=EVERY).name == "triton"
+    assert pick("cuda", torch.float32, "virtual", 64, installed=NEITHER).name == "sdpa"
+    assert pick("cuda", torch.bfloat16, "paged", 64, installed=EVERY).name == "sdpa"
     assert pick("cpu", torch.float32, "paged", 64).name == "sdpa"
 
 
 def test_a_kernel_chosen_by_name():
-    assert pick("cuda", torch.bfloat16, "virtual", 64, "sdpa", flash_available=True).name == "sdpa"
-    assert pick("cuda", torch.bfloat16, "virtual", 64, "flash", flash_available=True).name == "flash"
+    assert pick("cuda", torch.bfloat16, "virtual", 64, "sdpa", installed=EVERY).name == "sdpa"
+    assert pick("cuda", torch.bfloat16, "virtual", 64, "flash", installed=EVERY).name == "flash"
 
 
 def test_an_unknown_name_is_refused_naming_the_kernels():
-    with pytest.raises(ValueError, match="unknown attention kernel 'fast'.*'native', 'flash', 'sdpa'"):
+    with pytest.raises(ValueError, match="unknown attention kernel 'fast'.*'native', 'flash', 'triton', 'sdpa'"):
         pick("cpu", torch.float32, "virtual", 64, "fast")
 
 
-@pytest.mark.parametrize("device_type, dtype, kind, available", [
-    ("cpu", torch.float16, "virtual", True),
-    ("cuda", torch.float32, "virtual", True),
-    ("cuda", torch.bfloat16, "paged", True),
-    ("cuda", torch.bfloat16, "virtual", False),
+@pytest.mark.parametrize("device_type, dtype, kind, installed, serving", [
+    ("cpu", torch.float16, "virtual", EVERY, "'sdpa'"),
+    ("cuda", torch.float32, "virtual", EVERY, "'triton', 'sdpa'"),
+    ("cuda", torch.bfloat16, "paged", EVERY, "'sdpa'"),
+    ("cuda", torch.bfloat16, "virtual", NEITHER, "'sdpa'"),
 ])
-def test_flash_by_name_is_refused_where_it_cannot_serve(device_type, dtype, kind, available):
-    with pytest.raises(ValueError, match="attention kernel 'flash' cannot serve.*the kernels that can: 'sdpa'"):
-        pick(device_type, dtype, kind, 64, "flash", flash_available=available)
+def test_flash_by_name_is_refused_where_it_cannot_serve(device_type, dtype, kind, installed, serving):
+    with pytest.raises(ValueError, match=f"attention kernel 'flash' cannot serve.*the kernels that can: {serving}"):
+        pick(device_type, dtype, kind, 64, "flash", installed=installed)
+
+
+def test_a_kernel_whose_package_is_missing_is_refused_naming_it():
+    with pytest.raises(ValueError, match="'triton' cannot serve.*triton is not installed"):
+        pick("cuda", torch.bfloat16, "virtual", 64, "triton", installed=NEITHER)
+    with pytest.raises(ValueError, match="'flash' cannot serve.*flash-attn is not installed"):
+        pick("cuda", torch.bfloat16, "virtual", 64, "flash", installed=NEITHER)
 
 
 def test_no_kernel_for_an_unknown_device():
@@ -62,7 +75,7 @@ def test_no_kernel_for_an_unknown_device():
 
 def test_the_table_lists_the_fastest_first():
     """The automatic choice is the first kernel that serves: the fastest first."""
-    assert list(registry.KERNELS) == ["native", "flash", "sdpa"]
+    assert list(registry.KERNELS) == ["native", "flash", "triton", "sdpa"]
 
 
 def test_the_hf_cache_records_its_kernel():
@@ -88,19 +101,19 @@ def test_the_engine_takes_a_kernel_by_name():
         LLMEngine(model, max_num_seqs=2, max_seq_len=64, attention="fastest")
 
 
-@pytest.mark.parametrize("head_dim", [68, 100, 264])
-def test_flash_is_passed_over_for_a_head_dim_it_would_pad_and_the_choice_is_said(head_dim):
+@pytest.mark.parametrize("head_dim, chosen", [(68, "triton"), (100, "triton"), (264, "sdpa")])
+def test_flash_is_passed_over_for_a_head_dim_it_would_pad_and_the_choice_is_said(head_dim, chosen):
     registry.pick.cache_clear()
     with pytest.warns(UserWarning, match=f"'flash' does not take head_dim {head_dim}.*multiple of 8 up to 256.*"
-                                         "running 'sdpa'"):
-        assert pick("cuda", torch.bfloat16, "virtual", head_dim, flash_available=True).name == "sdpa"
+                                         f"running '{chosen}'"):
+        assert pick("cuda", torch.bfloat16, "virtual", head_dim, installed=EVERY).name == chosen
     with pytest.raises(ValueError, match=f"'flash' cannot serve.*head_dim {head_dim}.*multiple of 8 up to 256"):
-        pick("cuda", torch.bfloat16, "virtual", head_dim, "flash", flash_available=True)
+        pick("cuda", torch.bfloat16, "virtual", head_dim, "flash", installed=EVERY)
 
 
 @pytest.mark.parametrize("head_dim", [8, 64, 72, 256])
 def test_flash_takes_head_dims_in_multiples_of_8_up_to_256(head_dim):
-    assert pick("cuda", torch.float16, "virtual", head_dim, flash_available=True).name == "flash"
+    assert pick("cuda", torch.float16, "virtual", head_dim, installed=EVERY).name == "flash"
 
 
 def test_the_native_kernel_passed_over_for_its_head_dim_is_said_and_other_misses_are_not(recwarn):
@@ -109,5 +122,5 @@ def test_the_native_kernel_passed_over_for_its_head_dim_is_said_and_other_misses
         pick("cpu", torch.float32, "virtual", 72)
     recwarn.clear()
     assert pick("cpu", torch.float16, "virtual", 72).name == "sdpa"  # native does not take float16 at all
-    assert pick("cuda", torch.bfloat16, "virtual", 72, flash_available=False).name == "sdpa"  # no flash-attn
+    assert pick("cuda", torch.bfloat16, "virtual", 72, installed=NEITHER).name == "sdpa"
     assert not [w for w in recwarn if "does not take head_dim" in str(w.message)]

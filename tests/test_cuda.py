@@ -90,8 +90,14 @@ def test_cache_on_cuda_writes_shares_and_swaps():
 
 
 @cuda
-def test_attention_on_cuda_matches_the_host():
-    """The engine's attention, one decode token for each of three requests and a prefill chunk."""
+@pytest.mark.parametrize("kernel", ["sdpa", "triton"])
+def test_attention_on_cuda_matches_the_host(kernel):
+    """The engine's attention, one decode token for each of three requests and
+    a prefill chunk, by each kernel that needs no flash-attn."""
+    from vattn.attention import registry
+
+    if kernel not in registry.INSTALLED:
+        pytest.skip(f"{kernel} is not installed")
     outs = []
     for device in ("cpu", "cuda"):
         c = CacheConfig(1, 2, 64, torch.bfloat16, max_num_seqs=4, max_seq_len=512, device=device,
@@ -104,7 +110,8 @@ def test_attention_on_cuda_matches_the_host():
             k, v = (torch.randn(1, n, 2, 64, generator=g).to(torch.bfloat16).to(device) for _ in "kv")
             cache.write(0, [slot], [0], k, v)
         chunk = cache.allocate(48)
-        batch = StepBatch(cache, [0, 1, 2], lengths, [(chunk, 0, 48)])
+        batch = StepBatch(cache, [0, 1, 2], lengths, [(chunk, 0, 48)],
+                          registry.KERNELS[kernel] if device == "cuda" else None)
         q, k, v = (torch.randn(1, H, 51, 64, generator=g).to(torch.bfloat16).to(device) for H in (8, 2, 2))
         module = type("Layer", (), {"layer_idx": 0})()
         with step(batch):

@@ -89,3 +89,19 @@ def test_the_summary_says_what_each_part_did():
 
 def test_the_parts_fit_in_eight_minutes():
     assert sum(gpu.PARTS.values()) < 8 * 60
+
+
+def test_the_engine_rows_compare_each_kernel_with_the_paged_cache_and_count_fallbacks():
+    def run(tok_s, fallbacks):
+        return {"output_tok_per_s": tok_s, "tpot_ms": {"median": 5.0}, "per_request_decodes": fallbacks,
+                "map_ms_per_step": 0.1, "step_ms_median": 6.0}
+
+    engine = {"model": "SmolLM2", "prompts": "ShareGPT", "num_prompts": 4, "same_tokens": {"virtual triton": 4,
+                                                                                          "virtual sdpa": 3},
+              "runs": {"virtual triton": run(300.0, 0), "virtual sdpa": run(100.0, 720), "paged": run(150.0, 0)}}
+    rows = dict(map(tuple, gpu._engine_rows(engine)))
+    assert rows["engine virtual triton: tok/s, TPOT ms median"] \
+        == "300.0, 5.00 (2.00× paged; same tokens as paged: 4 of 4)"
+    assert rows["engine virtual sdpa: layers decoded one call per request; mapping ms per step / median step ms"] \
+        == "720; 0.100 / 6.00"
+    assert rows["engine paged: tok/s, TPOT ms median"] == "150.0, 5.00"

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="engine: sequences at once (default: the engine's); sweep: values to try (16 32 64 128)")
     p.add_argument("--max-num-batched-tokens", type=int, nargs="+",
                    help="engine: tokens a forward (default: the engine's); sweep: values to try (256 512 1024)")
-    p.add_argument("--attention", choices=["native", "flash", "sdpa"],
+    p.add_argument("--attention", choices=["native", "flash", "triton", "sdpa"],
                    help="engine: the attention kernel (default: the first that serves, vattn.attention.registry)")
     p.add_argument("--requests", type=int, help="soak: requests per preemption mode (2000); memory: per trace (500)")
     from vattn.bench.memory import MODELS, POLICIES, TRACES

@@ -25,6 +25,7 @@ class StepBatch:
     kernel: "Kernel | None" = None  # what runs the attention (None: the registry's pick for the cache)
     _masks: dict = field(default_factory=dict)  # decode masks and kernel arguments, built once per step
     _rows: torch.Tensor | None = None  # decode slots - lo, built once per step
+    per_request_decodes: int = 0  # layers whose decode tokens took one kernel call per request
 
     def __post_init__(self):
         if self.kernel is None:

@@ -2,8 +2,9 @@
 
 A kernel serves some device types, dtypes, cache kinds (`kind` of the cache
 class: "virtual" hands kernels whole-buffer views, "paged" gathers rows
-through block tables) and head dims.  FlashAttention needs the optional
-flash-attn package; vattn's own CPU kernel (`native`) is part of the C core.
+through block tables) and head dims.  FlashAttention and the Triton decode
+kernel need optional packages (flash-attn, triton); vattn's own CPU kernel
+(`native`) is part of the C core.
 """
 import warnings
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from functools import cache
 
 import torch
 
-from vattn.attention import flash, native, sdpa
+from vattn.attention import flash, native, sdpa, triton_decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +26,8 @@ class Kernel:
     cache_kinds: tuple[str, ...]
     head_dims: Callable[[int], bool] | None = None  # None: any
     head_dims_text: str = ""
+    package: str | None = None  # the optional package it needs
+    installed: bool = True  # whether that package is here
 
     def serves(self, device_type: str, dtype: torch.dtype, cache_kind: str, head_dim: int) -> bool:
         return self.serves_but_head_dim(device_type, dtype, cache_kind) and (
@@ -45,49 +48,53 @@ KERNELS = {k.name: k for k in (
            head_dims_text=f", head_dim a multiple of 16 up to {native.MAX_HEAD_DIM}"),
     Kernel("flash", flash.run, stores_kv=True, device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16),
            cache_kinds=("virtual",), head_dims=flash.serves_head_dim,
-           head_dims_text=f", head_dim a multiple of 8 up to {flash.MAX_HEAD_DIM}"),
+           head_dims_text=f", head_dim a multiple of 8 up to {flash.MAX_HEAD_DIM}", package="flash-attn",
+           installed=flash.AVAILABLE),
+    Kernel("triton", triton_decode.run, stores_kv=False, device_types=("cuda",),
+           dtypes=(torch.float16, torch.bfloat16, torch.float32), cache_kinds=("virtual",),
+           head_dims=triton_decode.serves_head_dim, head_dims_text=f", head_dim up to {triton_decode.MAX_HEAD_DIM}",
+           package="triton", installed=triton_decode.AVAILABLE),
     Kernel("sdpa", sdpa.run, stores_kv=False, device_types=("cpu", "cuda"), dtypes=None,
            cache_kinds=("virtual", "paged")),
 )}
 
 
+INSTALLED = frozenset(k.name for k in KERNELS.values() if k.installed)
+
+
 @cache  # asked once per layer per step
 def pick(device_type: str, dtype: torch.dtype, cache_kind: str, head_dim: int, name: str | None = None, *,
-         flash_available: bool = flash.AVAILABLE) -> Kernel:
+         installed: frozenset[str] = INSTALLED) -> Kernel:
     """The kernel `name`, or (None) the first in `KERNELS` that serves this
     device type, dtype, cache kind and head dim, with a warning for any kernel
-    ahead of it passed over for the head dim alone; a ValueError if it cannot."""
+    ahead of it passed over for the head dim alone; a ValueError if it cannot.
+    `installed`: the kernels whose code is here."""
     if name is not None and name not in KERNELS:
         raise ValueError(f"unknown attention kernel {name!r}; the kernels are {', '.join(map(repr, KERNELS))}")
-    serving = [k for k in _installed(flash_available) if k.serves(device_type, dtype, cache_kind, head_dim)]
+    here = [k for k in KERNELS.values() if k.name in installed]
+    serving = [k for k in here if k.serves(device_type, dtype, cache_kind, head_dim)]
     for kernel in serving:
         if name in (None, kernel.name):
             if name is None:
-                _say_why_not(device_type, dtype, cache_kind, head_dim, kernel, flash_available)
+                _say_why_not(device_type, dtype, cache_kind, head_dim, kernel, here)
             return kernel
     wanted = [KERNELS[name]] if name else list(KERNELS.values())
     reasons = "; ".join(f"{k.name!r} serves {k.describe()}" for k in wanted)
-    if not flash_available and KERNELS["flash"] in wanted:
-        reasons += "; flash-attn is not installed"
+    reasons += "".join(f"; {k.package} is not installed" for k in wanted if k.name not in installed)
     whom = "no attention kernel serves" if name is None else f"attention kernel {name!r} cannot serve"
     raise ValueError(f"{whom} {device_type}, {_dtype_name(dtype)}, a {cache_kind} cache, head_dim {head_dim} "
                      f"({reasons}); "
                      f"the kernels that can: {', '.join(repr(k.name) for k in serving) or 'none'}")
 
 
-def _say_why_not(device_type, dtype, cache_kind, head_dim, chosen: Kernel, flash_available: bool) -> None:
+def _say_why_not(device_type, dtype, cache_kind, head_dim, chosen: Kernel, here: list[Kernel]) -> None:
     """Warn of each kernel ahead of `chosen` that would serve but for the head dim."""
-    for k in _installed(flash_available):
+    for k in here:
         if k is chosen:
             return
         if k.serves_but_head_dim(device_type, dtype, cache_kind):
             warnings.warn(f"attention kernel {k.name!r} does not take head_dim {head_dim} ({k.describe()}); "
                           f"running {chosen.name!r}", stacklevel=3)
-
-
-def _installed(flash_available: bool) -> list[Kernel]:
-    """The kernels whose code is here, in order of preference."""
-    return [k for k in KERNELS.values() if flash_available or k.name != "flash"]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

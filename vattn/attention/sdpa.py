@@ -22,11 +22,16 @@ def run(b: StepBatch, layer: int, q, k, v, scaling, window) -> torch.Tensor:
     d = len(b.decode_slots)
     if d:
         out[:d] = decode(b, layer, q[:d], scaling, window)
+    prefill_into(out, b, layer, q, scaling, window)
+    return out
+
+
+def prefill_into(out, b: StepBatch, layer: int, q, scaling, window) -> None:
+    """Attend each prefill chunk of `q [T, H, D]` over its slot's own rows, into `out`."""
     for slot, start, rows in b.prefill_chunks():
         chunk = q[rows]
         keys, values = b.cache.rows_kv(layer, slot, slot + 1, start + len(chunk))
         out[rows] = prefill(chunk, keys[0], values[0], start, scaling, window)
-    return out
 
 
 def decode(b: StepBatch, layer: int, q, scaling, window) -> torch.Tensor:
@@ -36,6 +41,7 @@ def decode(b: StepBatch, layer: int, q, scaling, window) -> torch.Tensor:
     lo, hi = b.decode_rows()
     L = max(b.decode_positions) + 1
     if hi - lo > 2 * d or not b.cache.readable(lo, hi, L):  # one call per request
+        b.per_request_decodes += 1
         out = []
         for i, (slot, pos) in enumerate(zip(b.decode_slots, b.decode_positions)):
             first = 0 if window is None else max(0, pos + 1 - window)

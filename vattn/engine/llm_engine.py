@@ -42,7 +42,7 @@ class LLMEngine:
         self.model, self.tokenizer = model, tokenizer
         self.worker = MapWorker() if config.map_ahead else None
         self.requests: dict[str, Request] = {}
-        self.stats = EngineStats(self.scheduler, self.kv, self.worker)
+        self.stats = EngineStats(self.scheduler, self.kv, self.worker, self.runner)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self._vocab = model.config.get_text_config().vocab_size
         self._ids = itertools.count()

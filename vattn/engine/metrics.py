@@ -9,6 +9,7 @@ from vattn.engine.request import RequestOutput
 
 if TYPE_CHECKING:
     from vattn.engine.map_worker import MapWorker
+    from vattn.engine.model_runner import ModelRunner
     from vattn.engine.scheduler import Scheduler
     from vattn.kv.manager import KVCacheManager
 
@@ -21,6 +22,7 @@ class EngineStats:
     scheduler: Scheduler  # only their counters are read
     kv: KVCacheManager
     worker: MapWorker | None
+    runner: ModelRunner
     step_seconds: list[float] = field(default_factory=list)
     map_seconds: list[float] = field(default_factory=list)  # mapping on the step's critical path
     tokens: list[int] = field(default_factory=list)  # tokens computed per step
@@ -53,6 +55,12 @@ class EngineStats:
     def map_limit_hits(self) -> int:
         """Mappings refused at vm.max_map_count (handled like memory being short)."""
         return self.kv.map_limit_hits
+
+    @property
+    def per_request_decodes(self) -> int:
+        """Layers of steps whose decode tokens took one attention call per
+        request instead of one for all (SDPA over a range it may not read whole)."""
+        return self.runner.per_request_decodes
 
     @property
     def prefix_hit_rate(self) -> float:

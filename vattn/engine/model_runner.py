@@ -35,6 +35,7 @@ class ModelRunner:
         self._model_attention = model.config._attn_implementation  # given back by close()
         model.set_attn_implementation(attention.NAME)
         self.compiled = compile
+        self.per_request_decodes = 0  # layers whose decode took one kernel call per request (`StepBatch`)
         self._forward = torch.compile(model, dynamic=True) if compile else model
 
     def run(self, plan: StepPlan) -> torch.Tensor:
@@ -54,6 +55,7 @@ class ModelRunner:
                 torch._dynamo.decorators.mark_unbacked(inputs[name], dim)
         with torch.inference_mode(), attention.step(batch), _freezing(self.compiled):
             out = self._forward(**inputs, use_cache=False)
+        self.per_request_decodes += batch.per_request_decodes
         return out.logits[0].cpu()  # sampling runs on the host, with each sequence's own generator
 
     def close(self) -> None:
