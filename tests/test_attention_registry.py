@@ -124,3 +124,16 @@ def test_the_native_kernel_passed_over_for_its_head_dim_is_said_and_other_misses
     assert pick("cpu", torch.float16, "virtual", 72).name == "sdpa"  # native does not take float16 at all
     assert pick("cuda", torch.bfloat16, "virtual", 72, installed=NEITHER).name == "sdpa"
     assert not [w for w in recwarn if "does not take head_dim" in str(w.message)]
+
+
+def test_sdpa_on_cuda_is_pinned_to_backends_that_do_not_replan_per_shape():
+    from vattn.attention import sdpa
+
+    cuda = torch.backends.cuda
+    before = cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled()
+    with sdpa.backends(torch.device("cuda", 0)):
+        assert not cuda.cudnn_sdp_enabled()
+        assert cuda.flash_sdp_enabled() and cuda.mem_efficient_sdp_enabled() and cuda.math_sdp_enabled()
+    assert (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled()) == before
+    with sdpa.backends(torch.device("cpu")):
+        assert cuda.cudnn_sdp_enabled() == before[0]  # the host's SDPA is left as torch has it

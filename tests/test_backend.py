@@ -220,3 +220,11 @@ def test_mapping_limit_is_a_clear_error():
     out = subprocess.run([sys.executable, "-c", MAP_LIMIT_SCRIPT], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "LIMIT" in out.stdout and "vm.max_map_count=" in out.stdout and out.stdout.strip().endswith("OK")
+
+
+def test_there_is_one_backend_per_device():
+    from vattn import CacheConfig, VirtualKVCache
+
+    assert get_backend("cpu") is get_backend(torch.device("cpu")) is VirtualKVCache(CacheConfig(1, 1, 8)).backend
+    with pytest.raises(ValueError, match="no VMM backend for device 'meta'"):
+        get_backend("meta")

@@ -60,6 +60,30 @@ def test_unmap_waits_for_the_kernels_reading_the_page():
 
 
 @cuda
+def test_unmap_waits_for_a_registered_side_stream_and_there_is_one_backend_per_device():
+    backend = get_backend("cuda")
+    assert get_backend(f"cuda:{backend.device.index}") is backend and VirtualKVCache(
+        CacheConfig(2, 2, 8, device="cuda")).backend is backend
+    side = torch.cuda.Stream()
+    backend.use_stream(side)
+    size = backend.granularity
+    res, pool = backend.reserve(size), backend.create_pool(2, size)
+    backend.map(res, pool, [0], [0])
+    view = backend.tensor(res, torch.float32, (size // 4,), (1,))
+    view.fill_(1.0)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)
+        total = view.sum()
+    backend.unmap(res, pool, [0])
+    assert len(res.pending) == 1  # the side stream still reads it
+    backend.map(res, pool, [0], [1])  # waits for the side stream's read first
+    torch.cuda.synchronize()
+    assert float(total) == size // 4 and not res.pending
+    backend.streams.remove(side)
+
+
+@cuda
 def test_config_defaults_on_cuda():
     backend = get_backend("cuda")
     config = resolve(CacheConfig(30, 3, 64, torch.bfloat16, max_num_seqs=4, max_seq_len=1024, device="cuda"), backend)

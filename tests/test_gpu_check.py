@@ -105,3 +105,15 @@ def test_the_engine_rows_compare_each_kernel_with_the_paged_cache_and_count_fall
     assert rows["engine virtual sdpa: layers decoded one call per request; mapping ms per step / median step ms"] \
         == "720; 0.100 / 6.00"
     assert rows["engine paged: tok/s, TPOT ms median"] == "150.0, 5.00"
+
+
+def test_the_vmm_rows_say_whether_mapping_waited_for_a_running_kernel():
+    vmm = {"us_per_call": {"cuMemMap": 3.0}, "decode_step": {"interleaved": {"median_us": 5.0, "p99_us": 9.0}},
+           "while_a_kernel_runs": {"this thread": {"us_per_page": 4.0, "kernel_still_running": True, "kernel_ms": 500},
+                                   "another thread": {"us_per_page": 600.0, "kernel_still_running": False,
+                                                      "kernel_ms": 500}}}
+    rows = dict(map(tuple, gpu._vmm_rows(vmm)))
+    assert rows["map + access + unmap µs per page while a kernel runs, from this thread"] \
+        == "4.0 (before the 500 ms kernel ended)"
+    assert rows["map + access + unmap µs per page while a kernel runs, from another thread"] \
+        == "600.0 (not before the 500 ms kernel ended)"

@@ -10,10 +10,22 @@ slots, else one call per request over its live rows; each prefill chunk takes
 one call with a causal mask aligned to its position.  Grouped KV heads are
 packed into the query axis (`[H_kv, G·T, D]` against `[H_kv, L, D]`).
 """
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from vattn.attention.metadata import StepBatch
+
+# cuDNN attention, which torch tries first on sm90, plans anew for every new
+# shape and stride: a host stall every decode step as the lengths grow
+CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def backends(device: torch.device):
+    """The SDPA backends the engine's forwards may use on `device` (pinned on CUDA)."""
+    return sdpa_kernel(CUDA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def run(b: StepBatch, layer: int, q, k, v, scaling, window) -> torch.Tensor:

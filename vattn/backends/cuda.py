@@ -9,9 +9,11 @@ pages in one call (~36 µs a call, so never per page).
 
 `cuMemUnmap` is not ordered with the GPU's work: unmapping a page that a
 queued kernel still reads would fault.  `unmap` therefore records an event on
-the compute stream (the stream current when the backend was made) and leaves
-the pages mapped until that event has completed: every later call unmaps what
-has completed, and mapping at an address still waiting waits for its event.
+each of the backend's streams (the compute stream, current when the backend
+was made, and any registered with `use_stream`) and leaves the pages mapped
+until those events have completed: every later call unmaps what has
+completed, and mapping at an address still waiting waits for its events.
+There is one backend per device (`vattn.backends.get_backend`).
 """
 import sys
 import threading
@@ -89,6 +91,7 @@ class CudaPool:
 
     handles: list
     page_size: int
+    backend: "CudaBackend"  # kept alive: its primary context must outlive the handles
 
     @property
     def num_pages(self) -> int:
@@ -117,7 +120,7 @@ class CudaReservation:
         self.addr = int(check(cuda_driver().cuMemAddressReserve(nbytes, backend.granularity, 0, 0),
                                "cuMemAddressReserve"))
         self.mapped: dict[int, int] = {}  # offset -> page size, as the cache sees it
-        self.pending: deque[tuple[torch.cuda.Event, dict[int, int]]] = deque()  # unmaps waiting for the GPU
+        self.pending: deque[tuple[list[torch.cuda.Event], dict[int, int]]] = deque()  # unmaps waiting for the GPU
         self.lock = threading.RLock()
 
     def settle(self, wait_for: Sequence[int] = ()) -> None:
@@ -126,11 +129,12 @@ class CudaReservation:
         with self.lock:
             wanted = set(wait_for)
             while self.pending:
-                event, offsets = self.pending[0]
-                if not event.query():
+                events, offsets = self.pending[0]
+                if not all(e.query() for e in events):
                     if wanted.isdisjoint(o for entry in self.pending for o in entry[1]):
                         return
-                    event.synchronize()
+                    for e in events:
+                        e.synchronize()
                 self.pending.popleft()
                 self._unmap_now(offsets)
 
@@ -140,12 +144,13 @@ class CudaReservation:
             check(driver.cuMemUnmap(self.addr + offset, size), "cuMemUnmap")
 
     def close(self) -> None:
-        """Wait for the compute stream, unmap everything, free the range."""
+        """Wait for the backend's streams, unmap everything, free the range."""
         if self.addr is None:
             return
         try:
             self.backend.activate()
-            self.backend.stream.synchronize()
+            for stream in self.backend.streams:
+                stream.synchronize()
             with self.lock:
                 self.settle()
                 self._unmap_now(self.mapped)
@@ -190,7 +195,17 @@ class CudaBackend(Backend):
         access.location.id = index
         access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self.access_descs = [access]  # what cuMemSetAccess grants: this device reads and writes
-        self.stream = torch.cuda.current_stream(self.device)  # the compute stream unmaps wait for
+        self.streams = [torch.cuda.current_stream(self.device)]  # the streams unmaps wait for (`use_stream`)
+
+    def use_stream(self, stream: torch.cuda.Stream) -> None:
+        """Make unmaps wait for the work queued on `stream` too, as they wait
+        for the compute stream (the stream current when the backend was made):
+        register every stream kernels reading the cache's views run on, like
+        `Tensor.record_stream` for torch's allocator."""
+        if stream.device != self.device:
+            raise ValueError(f"stream is on {stream.device}; this backend manages {self.device}")
+        if stream not in self.streams:
+            self.streams.append(stream)
 
     def __del__(self):
         if not sys.is_finalizing() and hasattr(self, "_ctx"):
@@ -218,7 +233,7 @@ class CudaBackend(Backend):
             raise ValueError(f"a pool needs at least one page, got {num_pages}")
         self.activate()
         driver = cuda_driver()
-        pool = CudaPool([], page_size)
+        pool = CudaPool([], page_size, self)
         for _ in range(num_pages):  # on failure, `pool` going away releases what was made
             pool.handles.append(check(driver.cuMemCreate(page_size, self.allocation_prop, 0),
                                        f"cuMemCreate of page {pool.num_pages + 1} of {num_pages} "
@@ -265,9 +280,10 @@ class CudaBackend(Backend):
             if missing or len(set(offsets)) != len(offsets):
                 raise ValueError(f"virtual offsets {missing or offsets} are not each mapped once in this "
                                  f"reservation")
-            event = torch.cuda.Event()
-            event.record(self.stream)
-            reservation.pending.append((event, {o: reservation.mapped.pop(o) for o in offsets}))
+            events = [torch.cuda.Event() for _ in self.streams]
+            for event, stream in zip(events, self.streams):
+                event.record(stream)
+            reservation.pending.append((events, {o: reservation.mapped.pop(o) for o in offsets}))
             reservation.settle()
 
     def release(self, pool: CudaPool, pages: Sequence[int]) -> None:
@@ -277,9 +293,9 @@ class CudaBackend(Backend):
         return pool.num_pages * pool.page_size
 
     def memory(self) -> tuple[int, int]:
-        """(free, total) bytes of device memory."""
-        self.activate()
-        free, total = check(cuda_driver().cuMemGetInfo(), "cuMemGetInfo")
+        """(free, total) bytes of this device's memory (whichever context the
+        calling thread has current)."""
+        free, total = torch.cuda.mem_get_info(self.device)
         return int(free), int(total)
 
     def _checked(self, reservation, pool, offsets, pages) -> tuple[list[int], list[int]]:

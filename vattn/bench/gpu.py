@@ -224,7 +224,10 @@ def _test_rows(t: dict) -> list[list]:
 
 def _vmm_rows(v: dict) -> list[list]:
     step = v["decode_step"]["interleaved"]
-    return [[f"{name} µs", f"{us:.1f}"] for name, us in v["us_per_call"].items()] + [
+    busy = [[f"map + access + unmap µs per page while a kernel runs, from {where}",
+             f"{b['us_per_page']:.1f} ({'before' if b['kernel_still_running'] else 'not before'} the "
+             f"{b['kernel_ms']:.0f} ms kernel ended)"] for where, b in v["while_a_kernel_runs"].items()]
+    return [[f"{name} µs", f"{us:.1f}"] for name, us in v["us_per_call"].items()] + busy + [
         ["mapping per decode step µs (median / p99)", f"{step['median_us']:.1f} / {step['p99_us']:.1f}"]]
 
 

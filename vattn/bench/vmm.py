@@ -17,6 +17,7 @@ decode step of the same 64 requests in the interleaved layout.
 import random
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -72,9 +73,10 @@ def per_page_latency(page_size: int, num_pages: int, repeats: int, seed: int = 0
 
 def cuda_latency(num_pages: int = 64, repeats: int = 15) -> dict:
     """Median µs per call (per page for the backend's batched calls)."""
-    from vattn.backends.cuda import CudaBackend, check, cuda_driver
+    from vattn.backends import get_backend
+    from vattn.backends.cuda import check, cuda_driver
 
-    backend, driver = CudaBackend(), cuda_driver()
+    backend, driver = get_backend("cuda"), cuda_driver()
     size, n = backend.granularity, num_pages
     res = backend.reserve(n * size)
     pool = backend.create_pool(n, size)
@@ -108,12 +110,49 @@ def cuda_latency(num_pages: int = 64, repeats: int = 15) -> dict:
         backend.map(res, pool, offsets, range(n))
         t1 = time.perf_counter_ns()
         backend.unmap(res, pool, offsets)
-        backend.stream.synchronize()
+        torch.cuda.synchronize(backend.device)
         res.settle()  # the unmaps themselves happen here, once the stream is done
         t2 = time.perf_counter_ns()
         samples["backend map (per page)"].append((t1 - t0) / n / 1e3)
         samples["backend unmap (per page)"].append((t2 - t1) / n / 1e3)
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def while_a_kernel_runs(num_pages: int = 16, kernel_cycles: int = 1_000_000_000) -> dict:
+    """µs per page of cuMemMap + cuMemSetAccess + cuMemUnmap at addresses no
+    kernel reads, called while a long kernel runs, from this thread and from
+    another (the mapping worker's premise: the driver does not wait for the
+    GPU), and whether the kernel was still running when the calls returned."""
+    from vattn.backends import get_backend
+    from vattn.backends.cuda import check, cuda_driver
+
+    backend, driver = get_backend("cuda"), cuda_driver()
+    size = backend.granularity
+    res, pool = backend.reserve(num_pages * size), backend.create_pool(num_pages, size)
+
+    def cycle() -> float:
+        backend.activate()
+        t0 = time.perf_counter_ns()
+        for j in range(num_pages):
+            check(driver.cuMemMap(res.addr + j * size, size, 0, pool.handles[j], 0), "cuMemMap")
+        check(driver.cuMemSetAccess(res.addr, num_pages * size, backend.access_descs, 1), "cuMemSetAccess")
+        for j in range(num_pages):
+            check(driver.cuMemUnmap(res.addr + j * size, size), "cuMemUnmap")
+        return (time.perf_counter_ns() - t0) / num_pages / 1e3
+
+    out = {}
+    with ThreadPoolExecutor(1) as other:
+        for where, calls in (("this thread", cycle), ("another thread", lambda: other.submit(cycle).result())):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(kernel_cycles)
+            end.record()
+            us = calls()
+            running = not end.query()
+            end.synchronize()
+            out[where] = {"us_per_page": us, "kernel_still_running": running, "kernel_ms": start.elapsed_time(end)}
+    res.close()
+    return out
 
 
 def decode_step_mapping(page_size: int, layout: str, requests: int, steps: int, seed: int = 0,
@@ -145,11 +184,16 @@ def run_cuda(json_path: str | None = None, repeats: int = 15, steps: int = 512) 
     from vattn.backends import get_backend
 
     latency = cuda_latency(repeats=repeats)
+    busy = while_a_kernel_runs()
     page = get_backend("cuda").granularity
     step = decode_step_mapping(page, "interleaved", 64, steps, device="cuda")
-    result = {"device": "cuda", "page_size": page, "us_per_call": latency, "decode_step": {"interleaved": step}}
+    result = {"device": "cuda", "page_size": page, "us_per_call": latency, "while_a_kernel_runs": busy,
+              "decode_step": {"interleaved": step}}
     print_table(f"CUDA VMM latency ({page >> 20} MiB pages, µs per call, median of {repeats} runs)",
                 ["call", "µs"], [[k, v] for k, v in latency.items()])
+    print_table("map + access + unmap while a kernel runs (µs per page)", ["from", "µs", "kernel still running",
+                                                                            "kernel ms"],
+                [[where, b["us_per_page"], b["kernel_still_running"], b["kernel_ms"]] for where, b in busy.items()])
     print_table(f"mapping time per decode step on CUDA: 64 requests × {steps} steps, SmolLM2 geometry (µs)",
                 ["layout", "median", "mean", "p99", "steps that mapped"],
                 [["interleaved", step["median_us"], step["mean_us"], step["p99_us"], step["steps_that_mapped"]]])

@@ -12,7 +12,7 @@ import contextlib
 import torch
 
 from vattn import attention
-from vattn.attention import registry
+from vattn.attention import registry, sdpa
 from vattn.engine.linears import serve_linears
 from vattn.engine.plan import StepPlan
 from vattn.kv.slots import SlotCache
@@ -53,7 +53,7 @@ class ModelRunner:
         if self.compiled:  # no size is specialized (dynamic shapes otherwise recompile for 1)
             for name, dim in (("input_ids", 1), ("position_ids", 1), ("logits_to_keep", 0)):
                 torch._dynamo.decorators.mark_unbacked(inputs[name], dim)
-        with torch.inference_mode(), attention.step(batch), _freezing(self.compiled):
+        with torch.inference_mode(), attention.step(batch), sdpa.backends(self.cache.device), _freezing(self.compiled):
             out = self._forward(**inputs, use_cache=False)
         self.per_request_decodes += batch.per_request_decodes
         return out.logits[0].cpu()  # sampling runs on the host, with each sequence's own generator

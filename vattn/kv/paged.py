@@ -50,12 +50,17 @@ class PagedStorage:
         # changes; the mapping worker only appends past a slot's length or takes idle and surplus
         # blocks, which rows past the lengths may read stale anyway (masked, finite)
         self._index: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._last_write = None, None  # (slots, positions, T) of the last write, its pool rows: once a step
 
     def map(self, entries, pages) -> None:
-        self._index.clear()  # blocks enter the tables once the caller appends them
+        self._forget_indices()  # blocks enter the tables once the caller appends them
 
     def unmap(self, entries) -> None:
+        self._forget_indices()
+
+    def _forget_indices(self) -> None:
         self._index.clear()
+        self._last_write = None, None
 
     def release(self, pages) -> None:
         """Blocks stay committed: the pool is mapped whole."""
@@ -89,11 +94,21 @@ class PagedStorage:
         return rows.view(len(tables), -1)[:, :length].reshape(-1).to(self.device)
 
     def store(self, layer, slots, tables, positions, key, value) -> None:
-        bs, T = self.block_size, key.shape[1]
-        rows = [blocks[p // bs] * bs + p % bs for blocks, pos in zip(tables, positions) for p in range(pos, pos + T)]
-        rows = torch.tensor(rows, device=self.device)
+        rows = self._write_rows(slots, tables, positions, key.shape[1])
         self.pools[2 * layer].index_copy_(0, rows, key.reshape(-1, *key.shape[2:]))
         self.pools[2 * layer + 1].index_copy_(0, rows, value.reshape(-1, *value.shape[2:]))
+
+    def _write_rows(self, slots, tables, positions, T: int) -> torch.Tensor:
+        """Pool rows of the tokens a write puts at `positions` of the slots:
+        made once for every layer of a step (on CUDA each is a copy to the
+        device, which waits for it)."""
+        key = (tuple(slots), tuple(positions), T)
+        if self._last_write[0] != key:
+            bs = self.block_size
+            rows = [blocks[p // bs] * bs + p % bs
+                    for blocks, pos in zip(tables, positions) for p in range(pos, pos + T)]
+            self._last_write = key, torch.tensor(rows, device=self.device)
+        return self._last_write[1]
 
     def _blocks_holding(self, table: list[int], start: int, nbytes: int) -> tuple[torch.Tensor, int]:
         """The blocks that hold bytes start..start+nbytes, and where start lies in the first."""
