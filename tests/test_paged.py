@@ -27,12 +27,13 @@ def test_a_steps_write_rows_are_built_once_for_every_layer_and_again_when_a_tabl
     built = []
     for layer in range(c.num_layers):
         cache.write(layer, [a, b], [16, 2], k, -k)
-        built.append(cache.storage._last_write[1])
+        built.append(cache.storage._write_rows([a, b], [cache.block_table(a), cache.block_table(b)], [16, 2], 1))
     assert built[0] is built[1]  # one index for the step's layers
     assert built[0].tolist() == [cache.block_table(a)[1] * 16, cache.block_table(b)[0] * 16 + 2]
     assert cache.grow(b, 40)  # a table changes: the next write builds its rows again
     cache.write(0, [a, b], [16, 2], k, -k)
-    assert cache.storage._last_write[1] is not built[0]
+    assert cache.storage._write_rows([a, b], [cache.block_table(a), cache.block_table(b)], [16, 2], 1) \
+        is not built[0]
     for slot, pos, want in ((a, 16, k[0, 0]), (b, 2, k[1, 0])):
         row = cache.block_table(slot)[pos // 16] * 16 + pos % 16
         assert torch.equal(cache.storage.pools[0][row], want) and torch.equal(cache.storage.pools[1][row], -want)

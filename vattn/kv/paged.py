@@ -22,6 +22,7 @@ from vattn.config import CacheConfig, resolve
 from vattn.kv.slots import SlotCache
 
 _CHUNK = 2 << 20  # the pool is mapped in pieces of this size
+_WRITES_KEPT = 64  # write indices kept: a step's writes (its decode tokens, each prefill chunk) and more
 
 
 class PagedStorage:
@@ -50,7 +51,7 @@ class PagedStorage:
         # changes; the mapping worker only appends past a slot's length or takes idle and surplus
         # blocks, which rows past the lengths may read stale anyway (masked, finite)
         self._index: dict[tuple[int, int, int], torch.Tensor] = {}
-        self._last_write = None, None  # (slots, positions, T) of the last write, its pool rows: once a step
+        self._write_index: dict[tuple, torch.Tensor] = {}  # pool rows per (slots, positions, T), the same way
 
     def map(self, entries, pages) -> None:
         self._forget_indices()  # blocks enter the tables once the caller appends them
@@ -60,7 +61,7 @@ class PagedStorage:
 
     def _forget_indices(self) -> None:
         self._index.clear()
-        self._last_write = None, None
+        self._write_index.clear()
 
     def release(self, pages) -> None:
         """Blocks stay committed: the pool is mapped whole."""
@@ -101,14 +102,17 @@ class PagedStorage:
     def _write_rows(self, slots, tables, positions, T: int) -> torch.Tensor:
         """Pool rows of the tokens a write puts at `positions` of the slots:
         made once for every layer of a step (on CUDA each is a copy to the
-        device, which waits for it)."""
+        device, which the host waits for)."""
         key = (tuple(slots), tuple(positions), T)
-        if self._last_write[0] != key:
+        rows = self._write_index.get(key)
+        if rows is None:
+            if len(self._write_index) >= _WRITES_KEPT:  # earlier steps' (no table changed since)
+                self._write_index.clear()
             bs = self.block_size
-            rows = [blocks[p // bs] * bs + p % bs
-                    for blocks, pos in zip(tables, positions) for p in range(pos, pos + T)]
-            self._last_write = key, torch.tensor(rows, device=self.device)
-        return self._last_write[1]
+            rows = self._write_index[key] = torch.tensor(
+                [blocks[p // bs] * bs + p % bs for blocks, pos in zip(tables, positions) for p in range(pos, pos + T)],
+                device=self.device)
+        return rows
 
     def _blocks_holding(self, table: list[int], start: int, nbytes: int) -> tuple[torch.Tensor, int]:
         """The blocks that hold bytes start..start+nbytes, and where start lies in the first."""
