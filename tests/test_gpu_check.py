@@ -117,3 +117,23 @@ def test_the_vmm_rows_say_whether_mapping_waited_for_a_running_kernel():
         == "4.0 (before the 500 ms kernel ended)"
     assert rows["map + access + unmap µs per page while a kernel runs, from another thread"] \
         == "600.0 (not before the 500 ms kernel ended)"
+
+
+def test_the_kernel_rows_give_each_point_its_floor_every_column_and_the_ratios():
+    point = dict(phase="decode", model="SmolLM2-135M", batch=8, context=2048, lengths="uniform", floor_ms=0.01)
+    ms = {"vattn": 0.04, "vattn_per_layer_triton": 0.02, "contiguous": 0.02, "paged_gather": 0.08}
+    result = {"read_gb_per_s": 4000.0, "rows": [dict(point, layout=name, ms=t) for name, t in ms.items()]}
+    [(where, times, ratios)] = gpu.kernel_ratios(result)
+    assert where == "decode SmolLM2-135M b8 ctx2048 uniform (reading the live K/V at 4000 GB/s: 0.010)"
+    assert times == "vattn 0.040 / vattn_per_layer_triton 0.020 / contiguous 0.020 / paged_gather 0.080"
+    assert ratios == "2.00 / 0.50"
+
+
+def test_the_cuda_kernel_bench_crosses_every_layout_with_every_installed_kernel():
+    from vattn.bench import kernels
+
+    names = kernels.layouts("cuda")
+    assert names[0] == "vattn" and {"vattn_per_layer", "vattn_per_head", "contiguous", "paged_gather"} <= set(names)
+    assert ("vattn_per_head_triton" in names) == ("triton" in kernels.INSTALLED)
+    assert kernels.cuda_name("interleaved", "flash") == "vattn_flash"
+    assert kernels.cuda_name("per_layer", "sdpa") == "vattn_per_layer"

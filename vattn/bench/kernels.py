@@ -51,12 +51,15 @@ call must read (each request's tokens of one layer) at this machine's read
 bandwidth, measured once a run (`read_gb_per_s`: the median time of summing
 1 GiB of float32); the table shows each time with its multiple of the floor.
 
-On CUDA (`--device cuda`) the caches live on the GPU, the virtual one in the
-engine's CUDA layout (interleaved, pages of the driver's granularity), and
-each timed call ends with a device synchronize.  With flash-attn installed,
-two more layouts run `flash_attn_with_kvcache`: over the virtual cache's views
-(`vattn_flash`, the engine's CUDA path) and over a contiguous
-`[B, L, H_kv, D]` cache (`contiguous_flash`).
+On CUDA (`--device cuda`) the caches live on the GPU, with pages of the
+driver's granularity, each call timed by CUDA events around it, and the
+virtual cache comes in each of `CUDA_LAYOUTS` (`vattn` is the engine's
+default, interleaved; `vattn_per_layer`, `vattn_per_head`) under each CUDA
+kernel installed: SDPA, the Triton decode kernel (`_triton`: its decode; its
+prefill is SDPA's) and, with flash-attn, `flash_attn_with_kvcache` (`_flash`),
+also over a contiguous `[B, L, H_kv, D]` cache (`contiguous_flash`).  A
+layer-interleaved layout strides one layer's rows by every layer's bytes,
+which costs a kernel TLB reach: these columns decide the CUDA default.
 
 Thinned grid: prefill runs at the smallest batch only (a forward holds at most
 one 256-token chunk, and B chunks are B calls: B times the time, the same
@@ -77,7 +80,8 @@ from rich.progress import Progress
 
 from vattn import attention
 from vattn.attention import StepBatch, decode, native, prefill
-from vattn.attention.registry import KERNELS
+from vattn.attention import triton_decode
+from vattn.attention.registry import INSTALLED, KERNELS
 from vattn.bench import peers
 from vattn.bench.plots import line_chart
 from vattn.bench.shapes import LLAMA_3_8B, SMOLLM2_135M
@@ -89,6 +93,7 @@ from vattn.kv.paged import PagedKVCache
 
 MODELS = {"SmolLM2-135M": SMOLLM2_135M, "Llama-3-8B": LLAMA_3_8B}
 LAYOUTS = ("vattn", "vattn_native", "vattn_interleaved", "contiguous", "paged_gather")
+CUDA_LAYOUTS = ("interleaved", "per_layer", "per_head")  # the engine's CUDA default first
 VLLM, BLOCK_SIZES = "vllm_paged", (16, 128)
 GOALS = {"vattn/contiguous": 1.05, "vattn/paged_gather": 0.6}  # at most: float32 decode, batch 8, context 2048
 # vattn_native at most these times vLLM's kernel (its faster block size) and the bandwidth floor, float32 decode
@@ -131,10 +136,17 @@ class Contiguous:
 
 def layouts(device: str) -> tuple[str, ...]:
     """The layouts measured in this process."""
-    cuda = device != "cpu"
-    flash = cuda and attention.flash_attn_with_kvcache is not None
-    return tuple(n for n in LAYOUTS if not (cuda and n in ("vattn_native", "vattn_interleaved"))) + (
-        ("vattn_flash", "contiguous_flash") if flash else ())
+    if device == "cpu":
+        return LAYOUTS
+    flash = attention.flash_attn_with_kvcache is not None
+    kernels = ["sdpa"] + (["triton"] if "triton" in INSTALLED else []) + (["flash"] if flash else [])
+    return (*(cuda_name(layout, k) for layout in CUDA_LAYOUTS for k in kernels), "contiguous", "paged_gather",
+            *(["contiguous_flash"] if flash else []))
+
+
+def cuda_name(layout: str, kernel: str) -> str:
+    """The column of the virtual cache in `layout` under `kernel` on CUDA."""
+    return "vattn" + ("" if layout == CUDA_LAYOUTS[0] else f"_{layout}") + ("" if kernel == "sdpa" else f"_{kernel}")
 
 
 def request_lengths(kind: str, batch: int, context: int, seed: int = 0) -> list[int]:
@@ -158,10 +170,10 @@ def make_layouts(model: str, dtype: torch.dtype, lengths: list[int], device: str
                                  page_size=engine.page_size, layout=engine.layout, device=device))
     layer0 = dataclasses.replace(config, num_layers=1, memory_budget=None)
     names = layouts(device)
-    caches = {"vattn": VirtualKVCache(config), "contiguous": Contiguous(layer0),
-              "paged_gather": PagedKVCache(layer0, block_size=engine.block_size)}
-    if "vattn_interleaved" in names:
-        caches["vattn_interleaved"] = VirtualKVCache(dataclasses.replace(config, layout="interleaved"))
+    virtual = ({"vattn": config.layout, "vattn_interleaved": "interleaved"} if device == "cpu"
+               else {cuda_name(layout, "sdpa"): layout for layout in CUDA_LAYOUTS})
+    caches = {name: VirtualKVCache(dataclasses.replace(config, layout=layout)) for name, layout in virtual.items()}
+    caches |= {"contiguous": Contiguous(layer0), "paged_gather": PagedKVCache(layer0, block_size=engine.block_size)}
     g = torch.Generator().manual_seed(seed)
     for slot, length in enumerate(lengths):
         k, v = (torch.randn(1, length, Hkv, D, generator=g).to(dtype).to(device) for _ in "kv")
@@ -171,11 +183,11 @@ def make_layouts(model: str, dtype: torch.dtype, lengths: list[int], device: str
             if cache is not contiguous:
                 assert cache.allocate(length) == slot
                 cache.write(0, [slot], [0], k, v)
-    if "vattn_native" in names:
-        caches["vattn_native"] = caches["vattn"]
-    if "vattn_flash" in names:
-        caches["vattn_flash"] = caches["vattn"]
-        caches["contiguous_flash"] = caches["contiguous"].k.transpose(1, 2), caches["contiguous"].v.transpose(1, 2)
+    for name in names:  # a kernel over another column's cache
+        if name == "contiguous_flash":
+            caches[name] = caches["contiguous"].k.transpose(1, 2), caches["contiguous"].v.transpose(1, 2)
+        elif name not in caches:
+            caches[name] = caches[name.rsplit("_", 1)[0]]
     return {name: caches[name] for name in names}
 
 
@@ -198,6 +210,11 @@ def kernel(phase: str, cache, q: torch.Tensor, lengths: list[int], name: str = "
         return _flash_kernel(phase, cache, q, lengths, name)
     if name == "vattn_native":
         return _native_kernel(cache, q, lengths)
+    if name.endswith("_triton") and phase == "decode":
+        K, V = cache.layer_kv(0)
+        slots = torch.arange(B, dtype=torch.int32, device=q.device)
+        seqlens = torch.tensor(lengths, dtype=torch.int32, device=q.device)
+        return lambda: triton_decode.decode(q, K, V, slots, seqlens, scale)
     if phase == "decode":
         step = StepBatch(cache, list(range(B)), [length - 1 for length in lengths], [], KERNELS["sdpa"])
         step.decode_mask(None)
@@ -221,30 +238,38 @@ def _flash_kernel(phase: str, cache, q: torch.Tensor, lengths: list[int], name: 
     own K/V among them, so nothing is appended)."""
     B, n = q.shape[0], 1 if phase == "decode" else q.shape[1]
     q = q[:, None] if phase == "decode" else q
-    K, V = cache.layer_kv(0) if name == "vattn_flash" else cache
+    K, V = cache if name == "contiguous_flash" else cache.layer_kv(0)
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=q.device)
     slots = torch.arange(B, dtype=torch.int32, device=q.device)
     return lambda: attention.flash_attn_with_kvcache(q, K, V, cache_seqlens=seqlens, cache_batch_idx=slots,
                                                      softmax_scale=q.shape[-1] ** -0.5, causal=n > 1)
 
 
-def median_ms(calls: dict, repeats: int) -> dict[str, float]:
+def median_ms(calls: dict, repeats: int, device: str = "cpu") -> dict[str, float]:
     """Median ms of each call, the calls taking turns after a warm-up run of
-    each, each timed after `SCRUB_BYTES` of host memory are read; on CUDA
-    each call ends with a synchronize."""
+    each, each timed after `SCRUB_BYTES` of memory are read (on the host, or
+    on CUDA the device, where CUDA events around the call time it)."""
     samples = {name: [] for name in calls}
     for call in calls.values():
         call()
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
-    scrub = torch.ones(SCRUB_BYTES // 4, device="cpu")
+    cuda = device != "cpu"
+    if cuda:
+        torch.cuda.synchronize(device)
+    scrub = torch.ones(SCRUB_BYTES // 4, device=device)
     for _ in range(repeats):
         for name, call in calls.items():
             scrub.sum()
-            t0 = time.perf_counter()
-            call()
-            sync()
-            samples[name].append((time.perf_counter() - t0) * 1e3)
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                call()
+                end.record()
+                end.synchronize()
+                samples[name].append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                call()
+                samples[name].append((time.perf_counter() - t0) * 1e3)
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
@@ -252,7 +277,7 @@ def read_gb_per_s(device: str, repeats: int) -> float:
     """The read bandwidth kernels can reach here: 1 GiB of float32 summed
     with every thread (the median of `repeats`), in GB/s."""
     x = torch.ones(READ_BYTES // 4, device=device)
-    return READ_BYTES / median_ms({"sum": x.sum}, max(repeats, 5))["sum"] / 1e6
+    return READ_BYTES / median_ms({"sum": x.sum}, max(repeats, 5), device)["sum"] / 1e6
 
 
 def floor_ms(model: str, dtype: str, lengths: list[int], gb_per_s: float) -> float:
@@ -333,7 +358,8 @@ def run(json_path: str | None, plot_dir: str | None, batches: list[int] = [1, 8,
             bar.update(task, description=f"{phase} {dtype} {model} batch {batch} context {context} {kind}")
             caches = make_layouts(model, getattr(torch, dtype), lengths[point], device)
             q = make_queries(phase, model, batch, context, getattr(torch, dtype), device)
-            ms = median_ms({name: kernel(phase, c, q, lengths[point], name) for name, c in caches.items()}, repeats)
+            ms = median_ms({name: kernel(phase, c, q, lengths[point], name) for name, c in caches.items()}, repeats,
+                           device)
             rows += [dict(point._asdict(), layout=name, ms=t, floor_ms=floors[point]) for name, t in ms.items()]
             del caches
             bar.advance(task)
