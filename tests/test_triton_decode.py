@@ -131,3 +131,7 @@ def test_inputs_that_do_not_fit_are_refused_before_anything_runs():
         triton_decode.decode(torch.zeros(2, 4, 32), K, V, slots[:1], lengths, 1.0)
     with pytest.raises(ValueError, match="contiguous last dimension"):
         triton_decode.decode(torch.zeros(2, 32, 4).transpose(1, 2), K, V, slots, lengths, 1.0)
+    for bad_slots, bad_lengths in ((torch.tensor([0, 2]), lengths), (slots, torch.tensor([0, 10])),
+                                   (slots, torch.tensor([10, 1025]))):
+        with pytest.raises(ValueError, match="slots must be in \\[0, 2\\) and lengths in \\[1, 1024\\]"):
+            triton_decode.decode(torch.zeros(2, 4, 32), K, V, bad_slots.int(), bad_lengths.int(), 1.0)

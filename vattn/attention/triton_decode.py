@@ -42,17 +42,19 @@ def run(b: "StepBatch", layer: int, q, k, v, scaling, window) -> torch.Tensor:
     if d:
         K, V = b.cache.layer_kv(layer)
         decode(q[:d], K, V, b.tensor("slots", b.decode_slots), b.tensor("lengths", [p + 1 for p in b.decode_positions]),
-               scaling, window, out[:d])
+               scaling, window, out[:d], checked=True)  # the cache checked the slots and positions it wrote
     sdpa.prefill_into(out, b, layer, q, scaling, window)
     return out
 
 
 def decode(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
-           scale: float, window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+           scale: float, window: int | None = None, out: torch.Tensor | None = None,
+           checked: bool = False) -> torch.Tensor:
     """`q`, `out [d, H, D]`: token i attends to rows [max(0, lengths[i] - window),
     lengths[i]) of slot `slots[i]` of `K`, `V [slots, rows, H_kv, D]` (any
     strides, the last dimension contiguous).  A ValueError for inputs the
-    kernel cannot take, before anything runs."""
+    kernel cannot take, before anything runs; `checked`: the caller vouches
+    for the slots and lengths (checking them waits for the device)."""
     if triton is None:
         raise RuntimeError("the Triton decode kernel needs triton (pip install 'vattn[cuda]')")
     d, H, D = q.shape
@@ -66,8 +68,16 @@ def decode(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, slots: torch.Tenso
                          f"must be {list(q.shape)}, [{d}], [{d}]")
     if any(t.stride(-1) != 1 for t in (q, K, V, out)):
         raise ValueError("q, K, V and out need a contiguous last dimension")
+    if any(t.device != q.device for t in (K, V, out, slots, lengths)):
+        raise ValueError(f"q, K, V, out, slots and lengths must all be on {q.device}")
     if not d:
         return out
+    if not checked:
+        low_slot, high_slot, shortest, longest = torch.stack(
+            [slots.min(), slots.max(), lengths.min(), lengths.max()]).tolist()
+        if low_slot < 0 or high_slot >= K.shape[0] or shortest < 1 or longest > K.shape[1]:
+            raise ValueError(f"slots must be in [0, {K.shape[0]}) and lengths in [1, {K.shape[1]}]; got slots "
+                             f"{low_slot}..{high_slot}, lengths {shortest}..{longest}")
     G = H // Hkv
     _kernel()[(d, Hkv)](
         q, K, V, out, slots, lengths, float(scale), int(window or 0),

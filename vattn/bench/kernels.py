@@ -214,7 +214,7 @@ def kernel(phase: str, cache, q: torch.Tensor, lengths: list[int], name: str = "
         K, V = cache.layer_kv(0)
         slots = torch.arange(B, dtype=torch.int32, device=q.device)
         seqlens = torch.tensor(lengths, dtype=torch.int32, device=q.device)
-        return lambda: triton_decode.decode(q, K, V, slots, seqlens, scale)
+        return lambda: triton_decode.decode(q, K, V, slots, seqlens, scale, checked=True)  # as the engine calls it
     if phase == "decode":
         step = StepBatch(cache, list(range(B)), [length - 1 for length in lengths], [], KERNELS["sdpa"])
         step.decode_mask(None)
