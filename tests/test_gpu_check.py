@@ -122,7 +122,11 @@ def test_the_vmm_rows_say_whether_mapping_waited_for_a_running_kernel():
 def test_the_kernel_rows_give_each_point_its_floor_every_column_and_the_ratios():
     point = dict(phase="decode", model="SmolLM2-135M", batch=8, context=2048, lengths="uniform", floor_ms=0.01)
     ms = {"vattn": 0.04, "vattn_per_layer_triton": 0.02, "contiguous": 0.02, "paged_gather": 0.08}
-    result = {"read_gb_per_s": 4000.0, "rows": [dict(point, layout=name, ms=t) for name, t in ms.items()]}
+    result = {"read_gb_per_s": 4000.0, "rows": [dict(point, layout=name, ms=t) for name, t in ms.items()],
+              "sdpa_kernels": {"decode": ["fmha_cutlassF_bf16"], "prefill": []}}
+    rows = dict(map(tuple, gpu._kernel_rows(result)))
+    assert rows["SDPA decode kernels (flash / efficient / math pinned)"] == "fmha_cutlassF_bf16"
+    assert rows["SDPA prefill kernels (flash / efficient / math pinned)"] == "none seen"
     [(where, times, ratios)] = gpu.kernel_ratios(result)
     assert where == "decode SmolLM2-135M b8 ctx2048 uniform (reading the live K/V at 4000 GB/s: 0.010)"
     assert times == "vattn 0.040 / vattn_per_layer_triton 0.020 / contiguous 0.020 / paged_gather 0.080"

@@ -238,8 +238,10 @@ def _vmm_rows(v: dict) -> list[list]:
 
 
 def _kernel_rows(k: dict) -> list[list]:
-    return [[f"attention {point} ms", f"{times}; vattn/contiguous, vattn/paged_gather {ratios}"]
-            for point, times, ratios in kernel_ratios(k)]
+    ran = [[f"SDPA {phase} kernels (flash / efficient / math pinned)", ", ".join(names) or "none seen"]
+           for phase, names in k["sdpa_kernels"].items()]
+    return ran + [[f"attention {point} ms", f"{times}; vattn/contiguous, vattn/paged_gather {ratios}"]
+                  for point, times, ratios in kernel_ratios(k)]
 
 
 def _engine_rows(e: dict) -> list[list]:

@@ -79,8 +79,7 @@ import torch
 from rich.progress import Progress
 
 from vattn import attention
-from vattn.attention import StepBatch, decode, native, prefill
-from vattn.attention import triton_decode
+from vattn.attention import StepBatch, decode, native, prefill, sdpa, triton_decode
 from vattn.attention.registry import INSTALLED, KERNELS
 from vattn.bench import peers
 from vattn.bench.plots import line_chart
@@ -273,6 +272,17 @@ def median_ms(calls: dict, repeats: int, device: str = "cpu") -> dict[str, float
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+def cuda_kernels(call) -> list[str]:
+    """The names of the CUDA kernels one run of `call` launches (which SDPA
+    backend ran, under the engine's pin)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return sorted({e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA})
+
+
 def read_gb_per_s(device: str, repeats: int) -> float:
     """The read bandwidth kernels can reach here: 1 GiB of float32 summed
     with every thread (the median of `repeats`), in GB/s."""
@@ -350,16 +360,18 @@ def run(json_path: str | None, plot_dir: str | None, batches: list[int] = [1, 8,
     lengths = {p: request_lengths(p.lengths, p.batch, p.context) for p in points}
     gb_per_s = read_gb_per_s(device, repeats)
     floors = {p: floor_ms(p.model, p.dtype, lengths[p], gb_per_s) for p in points}
-    rows = []
-    with Progress(console=console, transient=True) as bar, torch.inference_mode():
+    rows, sdpa_ran = [], {}
+    with Progress(console=console, transient=True) as bar, torch.inference_mode(), sdpa.backends(torch.device(device)):
         task = bar.add_task("attention kernels", total=len(points))
         for point in points:
             phase, dtype, model, batch, context, kind = point
             bar.update(task, description=f"{phase} {dtype} {model} batch {batch} context {context} {kind}")
             caches = make_layouts(model, getattr(torch, dtype), lengths[point], device)
             q = make_queries(phase, model, batch, context, getattr(torch, dtype), device)
-            ms = median_ms({name: kernel(phase, c, q, lengths[point], name) for name, c in caches.items()}, repeats,
-                           device)
+            calls = {name: kernel(phase, c, q, lengths[point], name) for name, c in caches.items()}
+            if device != "cpu" and phase not in sdpa_ran:
+                sdpa_ran[phase] = cuda_kernels(calls["vattn"])
+            ms = median_ms(calls, repeats, device)
             rows += [dict(point._asdict(), layout=name, ms=t, floor_ms=floors[point]) for name, t in ms.items()]
             del caches
             bar.advance(task)
@@ -391,7 +403,9 @@ def run(json_path: str | None, plot_dir: str | None, batches: list[int] = [1, 8,
         console.print(f"target, vattn_native {t['model']} fp32 decode batch {t['batch']} {t['lengths']} context 2048: "
                       + ", ".join(f"{k} {t['measured'][k]:.3f} (goal ≤ {t['at_most'][k]})" for k in t["at_most"])
                       + (" met" if t["met"] else " MISSED"))
-    result = {"device": device, "torch": torch.__version__, "read_gb_per_s": gb_per_s,
+    for phase, names in sdpa_ran.items():
+        console.print(f"SDPA's {phase} on {device} ran: {', '.join(names)}")
+    result = {"device": device, "torch": torch.__version__, "read_gb_per_s": gb_per_s, "sdpa_kernels": sdpa_ran,
               "threads": {"vattn": torch.get_num_threads(), **({VLLM: peer["threads"]} if peer else {})},
               "vllm": {k: peer[k] for k in ("vllm", "torch", "isa")} if peer else None, "rows": rows,
               "targets": {"phase": "decode", "dtype": "float32", "batch": 8, "context": 2048, "lengths": "uniform",
