@@ -66,21 +66,23 @@ def test_unmap_waits_for_a_registered_side_stream_and_there_is_one_backend_per_d
         CacheConfig(2, 2, 8, device="cuda")).backend is backend
     side = torch.cuda.Stream()
     backend.use_stream(side)
-    size = backend.granularity
-    res, pool = backend.reserve(size), backend.create_pool(2, size)
-    backend.map(res, pool, [0], [0])
-    view = backend.tensor(res, torch.float32, (size // 4,), (1,))
-    view.fill_(1.0)
-    torch.cuda.synchronize()
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(200_000_000)
-        total = view.sum()
-    backend.unmap(res, pool, [0])
-    assert len(res.pending) == 1  # the side stream still reads it
-    backend.map(res, pool, [0], [1])  # waits for the side stream's read first
-    torch.cuda.synchronize()
-    assert float(total) == size // 4 and not res.pending
-    backend.streams.remove(side)
+    try:  # the backend is every later test's too
+        size = backend.granularity
+        res, pool = backend.reserve(size), backend.create_pool(2, size)
+        backend.map(res, pool, [0], [0])
+        view = backend.tensor(res, torch.float32, (size // 4,), (1,))
+        view.fill_(1.0)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)
+            total = view.sum()
+        backend.unmap(res, pool, [0])
+        assert len(res.pending) == 1  # the side stream still reads it
+        backend.map(res, pool, [0], [1])  # waits for the side stream's read first
+        torch.cuda.synchronize()
+        assert float(total) == size // 4 and not res.pending
+    finally:
+        backend.streams.remove(side)
 
 
 @cuda
