@@ -8,7 +8,10 @@ import os
 import pytest
 import torch
 
+from test_native_attention import close, reference
+
 from vattn.attention import registry, sdpa
+from vattn.attention.native import requests
 from vattn.attention.metadata import StepBatch
 from vattn.backends import HostBackend
 from vattn.config import CacheConfig
@@ -53,20 +56,11 @@ def poisoned_copy(cache, lengths) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(views)
 
 
-def per_request_sdpa(q, cache, slots, lengths, scale, window=None) -> torch.Tensor:
-    out = torch.empty(q.shape)
-    G = q.shape[1] // cache.config.num_kv_heads
-    for i, (slot, n) in enumerate(zip(slots, lengths)):
-        first = 0 if window is None else max(0, n - window)
-        k, v = (t[0, first:n].float().repeat_interleave(G, 1).transpose(0, 1)
-                for t in cache.rows_kv(1, slot, slot + 1, n))
-        out[i] = torch.nn.functional.scaled_dot_product_attention(q[i, :, None].float(), k, v, scale=scale)[:, 0]
-    return out
-
-
-def assert_close(out, ref, dtype):
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    assert (out.float() - ref).abs().max() <= tolerance * ref.abs().max().clamp(min=1)
+def sdpa_reference(q, cache, slots, lengths, scale, window=None) -> torch.Tensor:
+    """SDPA in float32, token i over the first `lengths[i]` rows of layer 1 of slot `slots[i]`."""
+    K, V = cache.layer_kv(1)
+    table = requests((slot, 0, n, i, 1) for i, (slot, n) in enumerate(zip(slots, lengths)))
+    return reference(q, K, V, table, scale, window)
 
 
 @pytest.mark.parametrize("layout", ["per_layer", "per_head", "interleaved"])
@@ -82,7 +76,7 @@ def test_decode_equals_sdpa_reading_only_each_slots_own_rows(layout, heads, head
     K, V = poisoned_copy(cache, lengths)
     out = triton_decode.decode(q, K, V, torch.tensor(slots, dtype=torch.int32), torch.tensor(mine, dtype=torch.int32),
                                dim ** -0.5)
-    assert_close(out, per_request_sdpa(q, cache, slots, mine, dim ** -0.5), dtype)
+    assert close(out, sdpa_reference(q, cache, slots, mine, dim ** -0.5), dtype)
 
 
 @pytest.mark.parametrize("window", [1, 50, 64, 1000])
@@ -93,7 +87,7 @@ def test_sliding_windows_equal_sdpa(window):
     K, V = poisoned_copy(cache, lengths)
     out = triton_decode.decode(q, K, V, torch.arange(3, dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32),
                                0.2, window)
-    assert_close(out, per_request_sdpa(q, cache, [0, 1, 2], lengths, 0.2, window), torch.float32)
+    assert close(out, sdpa_reference(q, cache, [0, 1, 2], lengths, 0.2, window), torch.float32)
 
 
 class HostWithoutZeroPage(HostBackend):
@@ -114,10 +108,10 @@ def test_sdpa_over_a_cache_without_a_zero_page_decodes_request_by_request_and_co
     b = StepBatch(cache, [0, 1, 2, 3], [n - 1 for n in lengths], [], registry.KERNELS["sdpa"])
     out = sdpa.decode(b, 1, q, 0.125, None)
     assert b.per_request_decodes == 1
-    assert_close(out, per_request_sdpa(q, cache, [0, 1, 2, 3], lengths, 0.125), torch.float32)
+    assert close(out, sdpa_reference(q, cache, [0, 1, 2, 3], lengths, 0.125), torch.float32)
     zero_backed = cache_with(lengths, "interleaved", 3, 64, torch.float32)
     b = StepBatch(zero_backed, [0, 1, 2, 3], [n - 1 for n in lengths], [], registry.KERNELS["sdpa"])
-    assert_close(sdpa.decode(b, 1, q, 0.125, None), out, torch.float32)
+    assert close(sdpa.decode(b, 1, q, 0.125, None), out, torch.float32)
     assert b.per_request_decodes == 0  # one call over the zero-backed range
 
 

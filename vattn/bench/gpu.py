@@ -97,15 +97,15 @@ def prompts_for(tokenizer, num_prompts: int, max_tokens: int) -> tuple[list, lis
 def engine_run(num_prompts: int, max_tokens: int) -> dict:
     """The same requests through the engine on the virtual cache with each
     CUDA attention kernel installed that serves it, and on the paged cache."""
-    from vattn import LLM
+    from vattn import LLM, CacheConfig
     from vattn.attention import registry
     from vattn.workload import serve
 
     model, tokenizer, what = smollm2_on_gpu()
     prompts, params, source = prompts_for(tokenizer, num_prompts, max_tokens)
-    c = model.config
-    kernels = [k.name for k in registry.KERNELS.values() if k.name in registry.INSTALLED
-               and k.serves("cuda", model.dtype, "virtual", c.hidden_size // c.num_attention_heads)]
+    head_dim = CacheConfig.from_model(model).head_dim
+    kernels = [k.name for k in registry.KERNELS.values()
+               if k.name in registry.INSTALLED and k.serves("cuda", model.dtype, "virtual", head_dim)]
     systems = [("virtual", name) for name in kernels] + [("paged", None)]
     runs, tokens = {}, {}
     for kv_cache, kernel in systems:
