@@ -5,8 +5,9 @@
  * (PROT_NONE), or behind it only the kernel's shared zero page (read-only),
  * when it is zero-backed.  A PhysicalFile is a memfd: the pool of physical
  * pages.  map_pages() maps pages of the file at addresses of the reservation
- * (MAP_SHARED|MAP_FIXED); unmap_pages() puts the reservation's own backing
- * back.  Mapping one file page at two addresses is real page sharing.
+ * (MAP_SHARED|MAP_FIXED), read-write or read-only; unmap_pages() puts the
+ * reservation's own backing back.  Mapping one file page at two addresses is
+ * real page sharing.
  *
  * Batched calls validate everything first, release the GIL, merge runs of
  * pages that are contiguous in both the reservation and the file into one
@@ -295,12 +296,14 @@ static Py_ssize_t run_length(const int64_t *virt, const int64_t *file, Py_ssize_
 }
 
 /* A batch of pages to map: (reservation, file, page_size, virt_offsets,
- * file_offsets), read and checked.  Returns 0, or -1 with an exception set. */
+ * file_offsets[, read_only]), read and checked.  Returns 0, or -1 with an
+ * exception set. */
 typedef struct {
     Reservation *res;
     PhysicalFile *file;
     Py_ssize_t page_size, n;
     int64_t *virt, *foff;
+    int read_only;
 } MapBatch;
 
 static void free_batch(MapBatch *b) {
@@ -312,8 +315,8 @@ static int read_batch(PyObject *args, MapBatch *b) {
     PyObject *virt_seq, *file_seq;
     Py_ssize_t m;
     memset(b, 0, sizeof *b);
-    if (!PyArg_ParseTuple(args, "O!O!nOO", &ReservationType, &b->res, &PhysicalFileType, &b->file, &b->page_size,
-                          &virt_seq, &file_seq) ||
+    if (!PyArg_ParseTuple(args, "O!O!nOO|p", &ReservationType, &b->res, &PhysicalFileType, &b->file, &b->page_size,
+                          &virt_seq, &file_seq, &b->read_only) ||
         check_page_size(b->page_size))
         return -1;
     if (!(b->virt = read_offsets(virt_seq, &b->n, b->page_size, b->res->nbytes, "virtual")) ||
@@ -333,12 +336,12 @@ static PyObject *map_pages(PyObject *mod, PyObject *args) {
     MapBatch b;
     if (read_batch(args, &b)) return NULL;
     int err = 0, undo_err = 0;
+    int prot = b.read_only ? PROT_READ : PROT_READ | PROT_WRITE;
     Py_BEGIN_ALLOW_THREADS
     Py_ssize_t i = 0;
     while (i < b.n) {
         Py_ssize_t run = run_length(b.virt, b.foff, i, b.n, b.page_size);
-        void *p = mmap(b.res->addr + b.virt[i], run * b.page_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
-                       b.file->fd, b.foff[i]);
+        void *p = mmap(b.res->addr + b.virt[i], run * b.page_size, prot, MAP_SHARED | MAP_FIXED, b.file->fd, b.foff[i]);
         if (p == MAP_FAILED) {
             err = errno;
             break;
@@ -442,7 +445,8 @@ static PyObject *os_page_size(PyObject *mod, PyObject *unused) { return PyLong_F
 
 static PyMethodDef methods[] = {
     {"map_pages", map_pages, METH_VARARGS,
-     "map_pages(reservation, file, page_size, virt_offsets, file_offsets): map file pages at the offsets."},
+     "map_pages(reservation, file, page_size, virt_offsets, file_offsets, read_only=False): map file pages at the "
+     "offsets."},
     {"unmap_pages", unmap_pages, METH_VARARGS,
      "unmap_pages(reservation, page_size, virt_offsets): put the reservation's backing back."},
     {"punch_pages", punch_pages, METH_VARARGS,

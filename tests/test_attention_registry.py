@@ -1,6 +1,7 @@
 """The attention registry's choice of kernel (device types given as strings: no GPU needed)."""
 import pytest
 import torch
+from conftest import make_cache
 
 from vattn.attention import registry
 from vattn.attention.registry import pick
@@ -38,6 +39,21 @@ def test_cuda_decodes_float32_virtual_caches_with_triton_and_paged_caches_with_s
     assert pick("cuda", torch.float32, "virtual", 64, installed=NEITHER).name == "sdpa"
     assert pick("cuda", torch.bfloat16, "paged", 64, installed=EVERY).name == "sdpa"
     assert pick("cpu", torch.float32, "paged", 64).name == "sdpa"
+
+
+def test_cuda_takes_flash_for_paged_caches_whose_blocks_flash_attn_takes():
+    assert pick("cuda", torch.bfloat16, "paged", 64, block_size=256, installed=EVERY).name == "flash"
+    assert pick("cuda", torch.bfloat16, "paged", 64, block_size=512, installed=EVERY).name == "flash"
+    assert pick("cuda", torch.bfloat16, "paged", 64, block_size=16, installed=EVERY).name == "sdpa"
+    assert pick("cuda", torch.bfloat16, "paged", 64, block_size=256, installed=NEITHER).name == "sdpa"
+    with pytest.raises(ValueError, match="a paged cache of 16-token blocks.*blocks a multiple of 256 tokens"):
+        pick("cuda", torch.bfloat16, "paged", 64, "flash", block_size=16, installed=EVERY)
+
+
+def test_the_cache_says_what_the_registry_weighs():
+    paged = make_cache("paged", block_size=16)
+    assert registry.pick_for(paged) is pick("cpu", torch.float32, "paged", 8, block_size=16)
+    assert registry.pick_for(make_cache(), "sdpa") is pick("cpu", torch.float32, "virtual", 8, "sdpa")
 
 
 def test_a_kernel_chosen_by_name():

@@ -26,6 +26,7 @@ def test_info():
         assert field in out
     why = unavailable()
     assert ("unavailable: " + why[:20] if why else "ready: ") in " ".join(out.split())
+    assert "tensor parallelism" in out and "torch.distributed (gloo" in out
 
 
 def test_bench_vmm_writes_json(tmp_path):

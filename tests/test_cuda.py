@@ -186,6 +186,28 @@ def test_engine_on_cuda_equals_hf_generate(arch):
 
 
 @cuda
+def test_the_zero_page_on_cuda_makes_sdpa_decode_in_one_batched_call():
+    c = CacheConfig(2, 2, 64, torch.float32, max_num_seqs=3, max_seq_len=4096, device="cuda", layout="interleaved")
+    cache = VirtualKVCache(c)
+    short, _ = cache.allocate(10), cache.allocate(3000)
+    assert not cache.readable(0, 3, 3000) and cache.zero_fill(0, 3, 3000) and cache.readable(0, 3, 3000)
+    K, V = cache.rows_kv(1, 0, 3, 3000)
+    assert float(K[short].abs().sum() + V[2].abs().sum()) == 0  # read, unmapped until filled: zeros, no fault
+    assert cache.grow(short, 3000)  # real pages take the zero page's place
+    k = torch.ones(1, 2990, 2, 64, device="cuda")
+    cache.write(0, [short], [0], k[:, :10], k[:, :10])
+    cache.write(0, [short], [10], k, -k)
+    assert float(cache.live_kv(short, 0)[1].sum()) == 10 * 128 - 2990 * 128
+    assert float(cache.rows_kv(0, 2, 3, 3000)[0].abs().sum()) == 0  # the zero page took no write
+    cache.check()
+    model = tiny_model("llama", "sdpa").to("cuda")
+    engine = LLMEngine(model, attention="sdpa", max_num_seqs=4, max_num_batched_tokens=32, max_seq_len=160)
+    assert engine_outputs(engine) == [hf_greedy(model, p, 40) for p in prompts()]
+    assert engine.stats.per_request_decodes == 0 and engine.cache._zero_filled
+    engine.close()
+
+
+@cuda
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_engine_on_cuda_under_preemption(mode):
     model = wide_model()
@@ -288,20 +310,29 @@ def test_no_kernel_reads_unmapped_memory_without_a_zero_page():
 
 
 def flash_reference(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cache_batch_idx=None,
-                    softmax_scale=None, causal=False, window_size=(-1, -1)):
+                    block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1)):
     """`flash_attn_with_kvcache`'s documented contract in plain torch: append
-    `k`/`v` to cache row `cache_batch_idx[i]` at `cache_seqlens[i]`, then attend
-    over that row's first `cache_seqlens[i] + new` tokens (causal aligned
-    bottom-right, a left window of `window_size[0]`)."""
+    `k`/`v` to row i's cache (cache row `cache_batch_idx[i]`, or with
+    `block_table` the blocks `block_table[i]` names, in order) at
+    `cache_seqlens[i]`, then attend over that row's first `cache_seqlens[i] +
+    new` tokens (causal aligned bottom-right, a left window of `window_size[0]`)."""
     out = []
     for i in range(q.shape[0]):
-        row, length = int(cache_batch_idx[i]), int(cache_seqlens[i])
+        length = int(cache_seqlens[i])
+        if block_table is None:
+            row = int(cache_batch_idx[i])
+            keys, values = k_cache[row], v_cache[row]  # views: appends land in the cache
+        else:
+            blocks = block_table[i].long()
+            keys, values = (t[blocks].flatten(0, 1) for t in (k_cache, v_cache))  # copies, put back below
         if k is not None:
-            k_cache[row, length:length + k.shape[1]] = k[i]
-            v_cache[row, length:length + k.shape[1]] = v[i]
+            keys[length:length + k.shape[1]] = k[i]
+            values[length:length + k.shape[1]] = v[i]
             length += k.shape[1]
-        group = q.shape[2] // k_cache.shape[2]
-        keys, values = (t[row, :length].repeat_interleave(group, dim=1).transpose(0, 1) for t in (k_cache, v_cache))
+            if block_table is not None:
+                k_cache[blocks], v_cache[blocks] = (t.view(len(blocks), *k_cache.shape[1:]) for t in (keys, values))
+        group = q.shape[2] // k_cache.shape[-2]
+        keys, values = (t[:length].repeat_interleave(group, dim=1).transpose(0, 1) for t in (keys, values))
         qpos = torch.arange(length - q.shape[1], length)[:, None]
         kpos = torch.arange(length)
         mask = kpos <= qpos if causal else torch.ones(q.shape[1], length, dtype=torch.bool)
@@ -313,17 +344,18 @@ def flash_reference(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, cac
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
-def test_flash_path_keeps_to_the_kernel_contract(arch, monkeypatch):
+@pytest.mark.parametrize("cache", [dict(layout="interleaved"), dict(kv_cache="paged", block_size=256)],
+                         ids=["virtual", "paged"])
+def test_flash_path_keeps_to_the_kernel_contract(arch, cache, monkeypatch):
     """The engine's FlashAttention path (in-kernel append, `cache_seqlens`,
-    `cache_batch_idx`, the window) run on the host against the kernel's
-    documented contract: outputs equal HF generate()."""
+    `cache_batch_idx` or `block_table`, the window) run on the host against
+    the kernel's documented contract: outputs equal HF generate()."""
     from vattn.attention import flash, registry
 
     monkeypatch.setattr(flash, "flash_attn_with_kvcache", flash_reference)
     monkeypatch.setattr(registry, "pick", lambda *args, **kwargs: registry.KERNELS["flash"])
     model = tiny_model(arch, "sdpa")
     reference = [hf_greedy(model, p, 40) for p in prompts()]
-    engine = LLMEngine(model, page_size=4096, max_num_seqs=4, max_num_batched_tokens=32, max_seq_len=160,
-                       layout="interleaved")
+    engine = LLMEngine(model, page_size=4096, max_num_seqs=4, max_num_batched_tokens=32, max_seq_len=160, **cache)
     assert engine_outputs(engine) == reference
     engine.close()

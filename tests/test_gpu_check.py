@@ -98,13 +98,14 @@ def test_the_engine_rows_compare_each_kernel_with_the_paged_cache_and_count_fall
 
     engine = {"model": "SmolLM2", "prompts": "ShareGPT", "num_prompts": 4, "same_tokens": {"virtual triton": 4,
                                                                                           "virtual sdpa": 3},
-              "runs": {"virtual triton": run(300.0, 0), "virtual sdpa": run(100.0, 720), "paged": run(150.0, 0)}}
+              "runs": {"virtual triton": run(300.0, 0), "virtual sdpa": run(100.0, 720),
+                       "paged_gather": run(150.0, 0)}}
     rows = dict(map(tuple, gpu._engine_rows(engine)))
     assert rows["engine virtual triton: tok/s, TPOT ms median"] \
-        == "300.0, 5.00 (2.00× paged; same tokens as paged: 4 of 4)"
+        == "300.0, 5.00 (2.00× paged_gather; same tokens as paged_gather: 4 of 4)"
     assert rows["engine virtual sdpa: layers decoded one call per request; mapping ms per step / median step ms"] \
         == "720; 0.100 / 6.00"
-    assert rows["engine paged: tok/s, TPOT ms median"] == "150.0, 5.00"
+    assert rows["engine paged_gather: tok/s, TPOT ms median"] == "150.0, 5.00"
 
 
 def test_the_vmm_rows_say_whether_mapping_waited_for_a_running_kernel():

@@ -17,6 +17,24 @@ def test_tokens_land_in_the_blocks_the_table_names():
     assert cache.config.page_size == 16 * cache.config.token_bytes
 
 
+def test_kernels_given_block_tables_find_each_token_in_the_layers_blocks():
+    """`layer_blocks` and `block_tables`, what FlashAttention's paged call
+    reads: token t of row r is block `tables[r][t // block_size]`, row t % block_size."""
+    cache = make_cache("paged", block_size=16)
+    a, b = cache.allocate(40), cache.allocate(20)
+    data = {a: fill(cache, a, 40), b: fill(cache, b, 20, seed=1)}
+    tables = cache.block_tables([b, a])
+    zero = cache.storage.zero_block
+    assert tables == [cache.block_table(b) + [zero], cache.block_table(a)]  # one width, padded with the zero block
+    K, V = cache.layer_blocks(1)
+    assert K.shape == (cache.pool.num_pages + 1, 16, cache.config.num_kv_heads, cache.config.head_dim)
+    for r, slot in enumerate([b, a]):
+        for t in (0, 15, 16, len(data[slot][1][0]) - 1):
+            block, k, v = tables[r][t // 16], data[slot][1][0][t], data[slot][1][1][t]
+            assert torch.equal(K[block, t % 16], k) and torch.equal(V[block, t % 16], v)
+    assert float(K[zero].abs().sum()) == 0
+
+
 def test_a_steps_write_rows_are_built_once_for_every_layer_and_again_when_a_table_changes():
     cache = make_cache("paged", block_size=16)
     a, b = cache.allocate(17), cache.allocate(3)

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from test_native_attention import close, reference
+from test_zero_fill import HostWithoutZeroPage
 
 from vattn.attention import registry, sdpa
 from vattn.attention.native import requests
 from vattn.attention.metadata import StepBatch
-from vattn.backends import HostBackend
 from vattn.config import CacheConfig
 from vattn.kv.virtual import VirtualKVCache
 
@@ -88,12 +88,6 @@ def test_sliding_windows_equal_sdpa(window):
     out = triton_decode.decode(q, K, V, torch.arange(3, dtype=torch.int32), torch.tensor(lengths, dtype=torch.int32),
                                0.2, window)
     assert close(out, sdpa_reference(q, cache, [0, 1, 2], lengths, 0.2, window), torch.float32)
-
-
-class HostWithoutZeroPage(HostBackend):
-    """The host backend with unmapped addresses left inaccessible, as on CUDA."""
-
-    zero_backing = False
 
 
 def test_sdpa_over_a_cache_without_a_zero_page_decodes_request_by_request_and_counts_it():

@@ -21,3 +21,28 @@ def tiny_model(arch, attn):
     model = model_cls(config_cls(**SMALL, **extra)).eval()
     model.set_attn_implementation(attn)
     return model
+
+
+def faulty_loader(path, fault, **shard):
+    """A tensor-parallel loader (`vattn.engine.parallel.load`) of the checkpoint
+    at `path` whose rank 1 fails in its 6th layer call: `fault` "raise"
+    raises there, "die" kills its process."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, **shard).eval()
+    if dist.get_rank() == 1:
+        calls = []
+
+        def fail(module, args):
+            calls.append(1)
+            if len(calls) == 6:
+                if fault == "die":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError("injected fault in rank 1's forward")
+
+        model.model.layers[1].register_forward_pre_hook(fail)
+    return model, None

@@ -32,6 +32,7 @@ def info(args) -> None:
         ["default page size, layout (host)", f"{_size(DEFAULTS['cpu']['page_size'])}, {DEFAULTS['cpu']['layout']}"],
         ["default page size, layout (CUDA)", f"the driver's granularity, {DEFAULTS['cuda']['layout']}"],
         ["CUDA backend", cuda],
+        ["tensor parallelism", _distributed()],
         ["vm.max_map_count", max_maps],
         ["mappings in this process", maps_now],
         ["torch", torch.__version__],
@@ -39,6 +40,21 @@ def info(args) -> None:
         ["python", platform.python_version()],
         ["CPUs", os.cpu_count()],
     ])
+
+
+def _distributed() -> str:
+    """What `tensor_parallel_size` > 1 runs on here."""
+    import torch.distributed as dist
+
+    from vattn.engine import parallel
+
+    if not dist.is_available():
+        return "unavailable: torch was built without torch.distributed"
+    backends = "gloo" + (", nccl" if dist.is_nccl_available() else "")
+    where = parallel.device_type()
+    launch = ("torchrun (RANK, WORLD_SIZE set): every process one rank" if parallel.launched_by_torchrun()
+              else "ranks spawned on this machine, or torchrun across machines")
+    return f"torch.distributed ({backends}): ranks on {where} over {parallel.backend(where)}; {launch}"
 
 
 def _size(nbytes: int) -> str:
@@ -54,7 +70,7 @@ def generate(args) -> None:
 def demo(args) -> None:
     from vattn import demo
 
-    demo.run(args.num_prompts, args.max_tokens, args.show, args.json)
+    demo.run(args.num_prompts, args.max_tokens, args.show, args.json, args.tensor_parallel_size)
 
 
 def bench(args) -> None:
@@ -72,7 +88,7 @@ def bench(args) -> None:
         seqs, tokens = (_one(args, name) for name in ("max_num_seqs", "max_num_batched_tokens"))
         engine.run(args.json, num_prompts=args.num_prompts or 64, max_tokens=args.max_tokens or 64,
                    max_num_seqs=seqs, max_num_batched_tokens=tokens, device=args.device, rounds=args.rounds,
-                   attention=args.attention)
+                   attention=args.attention, tensor_parallel_size=args.tensor_parallel_size)
     elif args.what == "sweep":
         from vattn.bench import sweep
 
@@ -151,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=DEMO_MAX_TOKENS, help="cap on each answer's length")
     p.add_argument("--show", type=int, default=3, help="prompts to print with their answers")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model's heads are split over")
     p.set_defaults(func=demo)
     p = commands.add_parser("bench", help="benchmarks")
     p.add_argument("what", choices=["vmm", "hf", "engine", "sweep", "soak", "memory", "kernels", "e2e", "gpu"])
@@ -172,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="engine: tokens a forward (default: the engine's); sweep: values to try (256 512 1024)")
     p.add_argument("--attention", choices=["native", "flash", "triton", "sdpa"],
                    help="engine: the attention kernel (default: the first that serves, vattn.attention.registry)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="engine: ranks the model's heads are split over")
     p.add_argument("--requests", type=int, help="soak: requests per preemption mode (2000); memory: per trace (500)")
     from vattn.bench.memory import MODELS, POLICIES, TRACES
 

@@ -72,12 +72,14 @@ class CacheConfig:
                              f"got {self.gpu_memory_utilization!r}")
 
     @classmethod
-    def from_model(cls, model, **settings) -> "CacheConfig":
-        """The layers, KV heads, head size, dtype and device of a transformers
-        model; `settings` give the rest."""
+    def from_model(cls, model, tensor_parallel_size: int = 1, **settings) -> "CacheConfig":
+        """The layers, KV heads (a rank's share of them, under tensor
+        parallelism), head size, dtype and device of a transformers model;
+        `settings` give the rest."""
         c = model.config.get_text_config()
         heads = c.num_attention_heads
-        return cls(num_layers=c.num_hidden_layers, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        return cls(num_layers=c.num_hidden_layers, num_kv_heads=kv_heads // tensor_parallel_size,
                    head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, dtype=model.dtype,
                    device=str(model.device), **settings)
 

@@ -7,15 +7,16 @@ from vattn.report import print_table, write_json
 from vattn.workload import figure_rows, serve, workload
 
 
-def run(num_prompts: int, max_tokens: int, show: int, json_path: str | None = None) -> dict:
+def run(num_prompts: int, max_tokens: int, show: int, json_path: str | None = None,
+        tensor_parallel_size: int = 1) -> dict:
     from vattn import LLM
-    from vattn.models import ENGINE_DTYPE, load_smollm2
 
-    model, tokenizer = load_smollm2(dtype=ENGINE_DTYPE)
-    requests, prompts, params = workload(tokenizer, num_prompts, max_tokens)
-    llm = LLM(model, tokenizer)
-    outputs, figures = serve(llm, prompts, params)
-    llm.engine.close()
+    llm = LLM(tensor_parallel_size=tensor_parallel_size)  # SmolLM2, split over that many ranks
+    requests, prompts, params = workload(llm.tokenizer, num_prompts, max_tokens)
+    try:
+        outputs, figures = serve(llm, prompts, params)
+    finally:
+        llm.engine.close()
     console = Console()
     for req, out in list(zip(requests, outputs))[:show]:
         answer = out.outputs[0].text.strip()
@@ -23,7 +24,8 @@ def run(num_prompts: int, max_tokens: int, show: int, json_path: str | None = No
                             title=f"request {out.request_id}: {len(out.prompt_token_ids)} prompt tokens, "
                                   f"{len(out.outputs[0].token_ids)} generated ({out.outputs[0].finish_reason})",
                             title_align="left"))
-    print_table(f"vattn demo: {len(outputs)} ShareGPT prompts on SmolLM2-135M-Instruct", ["", ""],
+    ranks = f", {tensor_parallel_size} tensor-parallel ranks" if tensor_parallel_size > 1 else ""
+    print_table(f"vattn demo: {len(outputs)} ShareGPT prompts on SmolLM2-135M-Instruct{ranks}", ["", ""],
                 figure_rows(figures))
     write_json(json_path, figures)
     return figures

@@ -2,24 +2,46 @@
 
     llm = LLM()                                   # SmolLM2-135M-Instruct on the CPU
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+    llm = LLM(tensor_parallel_size=3)             # the same, its heads split over 3 processes
 """
 import time
 from contextlib import contextmanager
 
-from vattn.engine import EngineConfig, LLMEngine, RequestOutput
+import torch
+
+from vattn.engine import EngineConfig, LLMEngine, RequestOutput, parallel
 from vattn.sampling_params import SamplingParams
 
 
 class LLM:
     def __init__(self, model=None, tokenizer=None, **settings):
-        """`model`: a transformers causal LM (with its `tokenizer`), or None
-        for SmolLM2-135M-Instruct; `settings`: `EngineConfig` fields."""
-        if model is None:
-            from vattn.models import ENGINE_DTYPE, load_smollm2
-
-            model, tokenizer = load_smollm2(dtype=ENGINE_DTYPE)
+        """`model`: a transformers causal LM (with its `tokenizer`), a
+        checkpoint's name or directory, a loader (`vattn.engine.parallel.load`),
+        or None for SmolLM2-135M-Instruct; `settings`: `EngineConfig` fields.
+        With `tensor_parallel_size=N` > 1 the model is loaded in N ranks, this
+        process rank 0 (it starts the others, or under `torchrun` joins them:
+        there only rank 0 returns from here), so it must come as a name or
+        loader; bad settings are refused before any process starts."""
+        config = EngineConfig(**settings)
+        size = config.tensor_parallel_size
+        group = None
+        if isinstance(model, torch.nn.Module):
+            if size > 1:
+                raise ValueError("tensor_parallel_size > 1 loads the model in every rank: pass its name, its "
+                                 "directory or a loader, not a loaded model")
+        else:
+            device_type = parallel.device_type() if size > 1 else "cpu"
+            parallel.check_settings(size, model, device_type)
+            group = parallel.launch(size, model, settings, device_type) if size > 1 else None
+            model, loaded_tokenizer = parallel.load_here(model, group)
+            tokenizer = tokenizer or loaded_tokenizer
         self.tokenizer = tokenizer
-        self.engine = LLMEngine(model, tokenizer, EngineConfig(**settings))
+        try:
+            self.engine = LLMEngine(model, tokenizer, config, group)
+        except BaseException:
+            if group is not None:
+                group.shutdown()
+            raise
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, cache_salt: str | None = None) -> list[RequestOutput]:

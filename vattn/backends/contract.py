@@ -1,6 +1,7 @@
 """The backend contract as a plain check (no test runner needed): pages
 mapped, written through a tensor view, unmapped, mapped again elsewhere and
-read back, at every page size the backend takes.  The test suite runs it on
+read back, and the zero page mapped and read, at every page size the backend
+takes.  The test suite runs it on
 each backend; `vattn bench gpu` runs it first on the GPU."""
 import torch
 
@@ -35,6 +36,14 @@ def map_write_unmap(backend: Backend, page_size: int) -> None:
     _expect(view[:5].tolist() == [7] * 5 and int(view[2 * page_size]) == 9, page_size,
             "pages mapped at a second address do not hold what was written through the first")
     backend.unmap(res, pool, [0, 2 * page_size])
+    # the zero page reads as zeros wherever it goes, even where a written page was, and leaves again
+    backend.map_zero(res, pool, [0, 3 * page_size])
+    _expect(int(view[:page_size].sum()) == 0 and int(view[3 * page_size:].sum()) == 0, page_size,
+            "the zero page does not read as zeros")
+    backend.unmap(res, pool, [0, 3 * page_size])
+    backend.map(res, pool, [0], [2])
+    _expect(view[:5].tolist() == [7] * 5, page_size, "a page mapped where the zero page was lost its bytes")
+    backend.unmap(res, pool, [0])
 
 
 def _expect(ok: bool, page_size: int, what: str) -> None:

@@ -5,7 +5,8 @@
 since creating one costs ~200 µs and must stay off the hot path.  `cuMemMap`
 puts a handle at an address (the same handle at several addresses is page
 sharing) and `cuMemSetAccess` opens each contiguous run of newly mapped
-pages in one call (~36 µs a call, so never per page).
+pages in one call (~36 µs a call, so never per page).  `map_zero` maps one
+zeroed handle per page size, read-only, wherever it is asked.
 
 `cuMemUnmap` is not ordered with the GPU's work: unmapping a page that a
 queued kernel still reads would fault.  `unmap` therefore records an event on
@@ -195,6 +196,12 @@ class CudaBackend(Backend):
         access.location.id = index
         access.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self.access_descs = [access]  # what cuMemSetAccess grants: this device reads and writes
+        read = driver.CUmemAccessDesc()
+        read.location.type, read.location.id = access.location.type, index
+        read.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+        self.read_descs = [read]  # the zero page's: this device reads only
+        self._zero_pages: dict[int, CudaPool] = {}  # page size -> one zeroed page (`map_zero`)
+        self._lock = threading.Lock()
         self.streams = [torch.cuda.current_stream(self.device)]  # the streams unmaps wait for (`use_stream`)
 
     def use_stream(self, stream: torch.cuda.Stream) -> None:
@@ -252,6 +259,18 @@ class CudaBackend(Backend):
 
     def map(self, reservation: CudaReservation, pool: CudaPool, offsets: Sequence[int],
             pages: Sequence[int]) -> None:
+        self._map(reservation, pool, offsets, pages, self.access_descs)
+
+    def map_zero(self, reservation: CudaReservation, pool: CudaPool, offsets: Sequence[int]) -> None:
+        with self._lock:
+            if pool.page_size not in self._zero_pages:
+                self._zero_pages[pool.page_size] = self.create_pool(1, pool.page_size)  # made zeroed
+            zero = self._zero_pages[pool.page_size]
+        offsets = list(offsets)
+        self._map(reservation, zero, offsets, [0] * len(offsets), self.read_descs)
+
+    def _map(self, reservation: CudaReservation, pool: CudaPool, offsets, pages, access_descs) -> None:
+        """Map pool page `pages[i]` at `offsets[i]`, opened with `access_descs`."""
         self.activate()
         driver, size, base = cuda_driver(), pool.page_size, reservation.addr
         with reservation.lock:
@@ -263,7 +282,7 @@ class CudaBackend(Backend):
                     check(driver.cuMemMap(base + o, size, 0, pool.handles[p], 0), "cuMemMap")
                     done.append(o)
                 for start, length in _runs(sorted(offsets), size):
-                    check(driver.cuMemSetAccess(base + start, length, self.access_descs, 1), "cuMemSetAccess")
+                    check(driver.cuMemSetAccess(base + start, length, access_descs, 1), "cuMemSetAccess")
             except BaseException:
                 for o in done:  # nothing has read them yet
                     driver.cuMemUnmap(base + o, size)

@@ -25,6 +25,9 @@ class HostBackend(Backend):
     granularity = _native.os_page_size()
     zero_backing = True
 
+    def __init__(self):
+        self._zero_pages: dict[int, _native.PhysicalFile] = {}  # page size -> a file of one page, never written
+
     def reserve(self, nbytes: int, zero_backed: bool = False) -> _native.Reservation:
         return _native.Reservation(nbytes, zero_backed)
 
@@ -37,6 +40,13 @@ class HostBackend(Backend):
     def map(self, reservation, pool: HostPool, offsets: Sequence[int], pages: Sequence[int]) -> None:
         size = pool.page_size
         _native.map_pages(reservation, pool.file, size, offsets, [p * size for p in pages])
+
+    def map_zero(self, reservation, pool: HostPool, offsets: Sequence[int]) -> None:
+        size = pool.page_size
+        if size not in self._zero_pages:
+            self._zero_pages[size] = _native.PhysicalFile(size)
+        offsets = list(offsets)
+        _native.map_pages(reservation, self._zero_pages[size], size, offsets, [0] * len(offsets), True)
 
     def unmap(self, reservation, pool: HostPool, offsets: Sequence[int]) -> None:
         _native.unmap_pages(reservation, pool.page_size, offsets)

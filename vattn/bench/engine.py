@@ -8,26 +8,37 @@ from vattn.workload import figure_rows, serve, workload
 
 def run(json_path: str | None, num_prompts: int, max_tokens: int, max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None, device: str = "cpu", rounds: int = 3,
-        attention: str | None = None) -> dict:
+        attention: str | None = None, tensor_parallel_size: int = 1) -> dict:
     """Each figure the median of `rounds` runs, with and without the worker
     taking turns; `attention` names the engine's kernel; None: the engine's
-    default (of each setting)."""
+    default (of each setting).  With `tensor_parallel_size` > 1 every run
+    starts its ranks anew, each loading its shard of SmolLM2."""
     import torch
 
     from vattn import LLM
     from vattn.models import ENGINE_DTYPE, load_smollm2
 
-    model, tokenizer = load_smollm2(dtype=ENGINE_DTYPE if device == "cpu" else torch.bfloat16)
-    model = model.to(device)
+    if tensor_parallel_size > 1:
+        from transformers import AutoTokenizer
+
+        from vattn.models import smollm2_dir
+
+        model, tokenizer = None, AutoTokenizer.from_pretrained(smollm2_dir())  # each rank loads its own shard
+    else:
+        model, tokenizer = load_smollm2(dtype=ENGINE_DTYPE if device == "cpu" else torch.bfloat16)
+        model = model.to(device)
     _, prompts, params = workload(tokenizer, num_prompts, max_tokens)
     results = {True: [], False: []}
     for _ in range(rounds):
         for map_ahead in results:
             limits = {k: v for k, v in dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
                       .items() if v is not None}
-            llm = LLM(model, tokenizer, map_ahead=map_ahead, attention=attention, **limits)
-            results[map_ahead].append(serve(llm, prompts, params)[1])
-            llm.engine.close()
+            llm = LLM(model, tokenizer, map_ahead=map_ahead, attention=attention,
+                      tensor_parallel_size=tensor_parallel_size, **limits)
+            try:
+                results[map_ahead].append(serve(llm, prompts, params)[1])
+            finally:
+                llm.engine.close()
     worker, inline = median_figures(results[True]), median_figures(results[False])
     maps = {"with_worker": worker["map_ms_per_step"], "without_worker": inline["map_ms_per_step"]}
     shares = {"with_worker": worker["map_ms_per_step"] / worker["step_ms_median"],  # each run's own steps
@@ -38,7 +49,8 @@ def run(json_path: str | None, num_prompts: int, max_tokens: int, max_num_seqs: 
         ["mapping / median step (with / without worker)",
          f"{shares['with_worker']:.2%} / {shares['without_worker']:.2%}"]]
     kernel, config = llm.engine.runner.kernel.name, llm.engine.config
-    print_table(f"engine: {num_prompts} ShareGPT prompts, SmolLM2-135M on {device}, "
+    ranks = f", {tensor_parallel_size} tensor-parallel ranks" if tensor_parallel_size > 1 else ""
+    print_table(f"engine: {num_prompts} ShareGPT prompts, SmolLM2-135M on {device}{ranks}, "
                 f"max_num_seqs={config.max_num_seqs}, max_num_batched_tokens={config.max_num_batched_tokens}, "
                 f"{kernel} attention, medians of {rounds} runs",
                 ["", ""], rows)

@@ -26,6 +26,7 @@ from vattn.bench.shapes import SMOLLM2_135M_CONFIG
 from vattn.report import console, print_table, write_json
 
 TESTS = ["tests/test_backend.py", "tests/test_cuda.py", "-m", "gpu and not slow"]  # host-only tests: the suite's
+GATHER = "paged_gather"  # the paged baseline every engine run is held against
 PARTS = {"contract": 45, "tests": 140, "vmm": 60, "kernels": 105, "engine": 110}  # seconds each: 7.7 minutes in all
 NO_GPU = 2  # the exit status where there is no GPU
 KERNEL_POINTS = dict(batches=[8, 32], contexts=[2048, 8192], dtypes=["bfloat16"])
@@ -96,25 +97,29 @@ def prompts_for(tokenizer, num_prompts: int, max_tokens: int) -> tuple[list, lis
 
 def engine_run(num_prompts: int, max_tokens: int) -> dict:
     """The same requests through the engine on the virtual cache with each
-    CUDA attention kernel installed that serves it, and on the paged cache."""
+    CUDA attention kernel installed that serves it, and on the paged cache:
+    gathered (`paged_gather`, blocks of 16) and, with flash-attn, read through
+    its block tables (`paged_flash`, blocks of 256)."""
     from vattn import LLM, CacheConfig
-    from vattn.attention import registry
+    from vattn.attention import flash, registry
     from vattn.workload import serve
 
     model, tokenizer, what = smollm2_on_gpu()
     prompts, params, source = prompts_for(tokenizer, num_prompts, max_tokens)
     head_dim = CacheConfig.from_model(model).head_dim
-    kernels = [k.name for k in registry.KERNELS.values()
-               if k.name in registry.INSTALLED and k.serves("cuda", model.dtype, "virtual", head_dim)]
-    systems = [("virtual", name) for name in kernels] + [("paged", None)]
+    here = [k for k in registry.KERNELS.values() if k.name in registry.INSTALLED]
+    systems = {f"virtual {k.name}": dict(attention=k.name) for k in here if k.serves("cuda", model.dtype, "virtual",
+                                                                                     head_dim)}
+    systems[GATHER] = dict(kv_cache="paged", attention="sdpa")
+    if any(k.name == "flash" and k.serves("cuda", model.dtype, "paged", head_dim, flash.BLOCK_MULTIPLE) for k in here):
+        systems["paged_flash"] = dict(kv_cache="paged", block_size=flash.BLOCK_MULTIPLE, attention="flash")
     runs, tokens = {}, {}
-    for kv_cache, kernel in systems:
-        label = f"virtual {kernel}" if kernel else kv_cache
-        llm = LLM(model, tokenizer, kv_cache=kv_cache, attention=kernel, max_num_seqs=32)
+    for label, settings in systems.items():
+        llm = LLM(model, tokenizer, max_num_seqs=32, **settings)
         outputs, runs[label] = serve(llm, prompts, params, progress=False)
         tokens[label] = [o.outputs[0].token_ids for o in outputs]
         llm.engine.close()
-    same = {label: sum(a == b for a, b in zip(tokens[label], tokens["paged"])) for label in runs if label != "paged"}
+    same = {label: sum(a == b for a, b in zip(tokens[label], tokens[GATHER])) for label in runs if label != GATHER}
     return {"model": what, "prompts": source, "num_prompts": num_prompts, "runs": runs, "same_tokens": same}
 
 
@@ -245,13 +250,13 @@ def _kernel_rows(k: dict) -> list[list]:
 
 
 def _engine_rows(e: dict) -> list[list]:
-    """Each run's tok/s, TPOT and per-request decode fallbacks, against the paged cache."""
-    paged = e["runs"]["paged"]
+    """Each run's tok/s, TPOT and per-request decode fallbacks, against the gathered paged cache."""
+    paged = e["runs"][GATHER]
     rows = [["engine", f"{e['model']}; {e['num_prompts']} prompts ({e['prompts']})"]]
     for label, r in e["runs"].items():
         tok_s = r["output_tok_per_s"]
-        against = "" if label == "paged" else (f" ({tok_s / paged['output_tok_per_s']:.2f}× paged; same tokens "
-                                                f"as paged: {e['same_tokens'][label]} of {e['num_prompts']})")
+        against = "" if label == GATHER else (f" ({tok_s / paged['output_tok_per_s']:.2f}× {GATHER}; same tokens "
+                                              f"as {GATHER}: {e['same_tokens'][label]} of {e['num_prompts']})")
         rows.append([f"engine {label}: tok/s, TPOT ms median", f"{tok_s:.1f}, {r['tpot_ms']['median']:.2f}{against}"])
         rows.append([f"engine {label}: layers decoded one call per request; mapping ms per step / median step ms",
                      f"{r['per_request_decodes']}; {r['map_ms_per_step']:.3f} / {r['step_ms_median']:.2f}"])

@@ -57,9 +57,11 @@ virtual cache comes in each of `CUDA_LAYOUTS` (`vattn` is the engine's
 default, interleaved; `vattn_per_layer`, `vattn_per_head`) under each CUDA
 kernel installed: SDPA, the Triton decode kernel (`_triton`: its decode; its
 prefill is SDPA's) and, with flash-attn, `flash_attn_with_kvcache` (`_flash`),
-also over a contiguous `[B, L, H_kv, D]` cache (`contiguous_flash`).  A
-layer-interleaved layout strides one layer's rows by every layer's bytes,
-which costs a kernel TLB reach: these columns decide the CUDA default.
+also over a contiguous `[B, L, H_kv, D]` cache (`contiguous_flash`) and
+through the block tables of a `PagedKVCache` of 256-token blocks
+(`paged_flash`).  A layer-interleaved layout strides one layer's rows by
+every layer's bytes, which costs a kernel TLB reach: these columns decide
+the CUDA default.
 
 Thinned grid: prefill runs at the smallest batch only (a forward holds at most
 one 256-token chunk, and B chunks are B calls: B times the time, the same
@@ -79,7 +81,7 @@ import torch
 from rich.progress import Progress
 
 from vattn import attention
-from vattn.attention import StepBatch, decode, native, prefill, sdpa, triton_decode
+from vattn.attention import StepBatch, decode, flash, native, prefill, sdpa, triton_decode
 from vattn.attention.registry import INSTALLED, KERNELS
 from vattn.bench import peers
 from vattn.bench.plots import line_chart
@@ -140,7 +142,7 @@ def layouts(device: str) -> tuple[str, ...]:
     flash = attention.flash_attn_with_kvcache is not None
     kernels = ["sdpa"] + (["triton"] if "triton" in INSTALLED else []) + (["flash"] if flash else [])
     return (*(cuda_name(layout, k) for layout in CUDA_LAYOUTS for k in kernels), "contiguous", "paged_gather",
-            *(["contiguous_flash"] if flash else []))
+            *(["contiguous_flash", "paged_flash"] if flash else []))
 
 
 def cuda_name(layout: str, kernel: str) -> str:
@@ -173,6 +175,8 @@ def make_layouts(model: str, dtype: torch.dtype, lengths: list[int], device: str
                else {cuda_name(layout, "sdpa"): layout for layout in CUDA_LAYOUTS})
     caches = {name: VirtualKVCache(dataclasses.replace(config, layout=layout)) for name, layout in virtual.items()}
     caches |= {"contiguous": Contiguous(layer0), "paged_gather": PagedKVCache(layer0, block_size=engine.block_size)}
+    if "paged_flash" in names:
+        caches["paged_flash"] = PagedKVCache(layer0, block_size=flash.BLOCK_MULTIPLE)
     g = torch.Generator().manual_seed(seed)
     for slot, length in enumerate(lengths):
         k, v = (torch.randn(1, length, Hkv, D, generator=g).to(dtype).to(device) for _ in "kv")
@@ -237,11 +241,15 @@ def _flash_kernel(phase: str, cache, q: torch.Tensor, lengths: list[int], name: 
     own K/V among them, so nothing is appended)."""
     B, n = q.shape[0], 1 if phase == "decode" else q.shape[1]
     q = q[:, None] if phase == "decode" else q
-    K, V = cache if name == "contiguous_flash" else cache.layer_kv(0)
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=q.device)
-    slots = torch.arange(B, dtype=torch.int32, device=q.device)
-    return lambda: attention.flash_attn_with_kvcache(q, K, V, cache_seqlens=seqlens, cache_batch_idx=slots,
-                                                     softmax_scale=q.shape[-1] ** -0.5, causal=n > 1)
+    if name == "paged_flash":  # through the block tables
+        K, V = cache.layer_blocks(0)
+        where = {"block_table": torch.tensor(cache.block_tables(list(range(B))), dtype=torch.int32, device=q.device)}
+    else:
+        K, V = cache if name == "contiguous_flash" else cache.layer_kv(0)
+        where = {"cache_batch_idx": torch.arange(B, dtype=torch.int32, device=q.device)}
+    return lambda: attention.flash_attn_with_kvcache(q, K, V, cache_seqlens=seqlens, softmax_scale=q.shape[-1] ** -0.5,
+                                                     causal=n > 1, **where)
 
 
 def median_ms(calls: dict, repeats: int, device: str = "cpu") -> dict[str, float]:

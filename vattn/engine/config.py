@@ -27,7 +27,10 @@ class EngineConfig:
     unchanged by `close()`.  `compile` runs the model through `torch.compile`
     (one graph for every step, compiled by the first; inductor's freezing
     packs the weights, so `pack_linears` and `fuse_projections` do not
-    apply)."""
+    apply).  `tensor_parallel_size` ranks each hold a share of the model's
+    heads and a cache of their own KV heads (`vattn.engine.parallel`; its
+    linears stay transformers', so `pack_linears` and `fuse_projections` do
+    not apply, nor does `compile`); `memory_budget` is then each rank's."""
 
     max_num_seqs: int = 64  # the batch limits `vattn bench sweep` found fastest (benchmarks/README.md)
     max_num_batched_tokens: int = 512
@@ -47,9 +50,10 @@ class EngineConfig:
     pack_linears: bool = True
     fuse_projections: bool = True
     compile: bool = False
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len", "block_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
@@ -67,6 +71,8 @@ class EngineConfig:
                              f"got {self.gpu_memory_utilization!r}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")
+        if self.compile and self.tensor_parallel_size > 1:
+            raise ValueError("EngineConfig.compile does not run under tensor parallelism (tensor_parallel_size > 1)")
 
     def cache_settings(self) -> dict:
         """The `CacheConfig` settings of this engine (the model gives the geometry)."""

@@ -8,37 +8,54 @@ let go.
 import itertools
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from vattn.config import CacheConfig
 from vattn.engine.config import EngineConfig
+from vattn.engine.lockstep import RecordingKV, books
 from vattn.engine.map_worker import MapWorker
 from vattn.engine.metrics import EngineStats
 from vattn.engine.model_runner import ModelRunner
-from vattn.engine.plan import StepPlan
+from vattn.engine.parallel import Group, Message, RankFailed
+from vattn.engine.plan import StepInputs, StepPlan
 from vattn.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from vattn.engine.sampler import sample_rows
 from vattn.engine.scheduler import Scheduler
 from vattn.kv.manager import KVCacheManager
 from vattn.kv.paged import PagedKVCache
+from vattn.kv.slots import SlotCache
 from vattn.kv.virtual import VirtualKVCache
 from vattn.sampling_params import SamplingParams
 
 
+def build_cache(model, config: EngineConfig) -> tuple[SlotCache, KVCacheManager]:
+    """The cache `config` asks for over the model's KV heads (this rank's, under tensor parallelism)."""
+    cache_config = CacheConfig.from_model(model, config.tensor_parallel_size, **config.cache_settings())
+    cache = (PagedKVCache(cache_config, config.block_size) if config.kv_cache == "paged"
+             else VirtualKVCache(cache_config))
+    return cache, KVCacheManager(cache, config.enable_prefix_caching)
+
+
 class LLMEngine:
-    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, **settings):
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, group: Group | None = None,
+                 **settings):
         """`model`: a transformers causal LM (its attention implementation is
         switched to vattn's until `close`); `tokenizer` for text prompts, stop
-        strings and output text; settings: `EngineConfig` fields."""
+        strings and output text; settings: `EngineConfig` fields.  With
+        `group` (rank 0 of `vattn.engine.parallel.launch`), `model` is this
+        rank's shard and every step is broadcast to the other ranks."""
         self.config = config = config or EngineConfig(**settings)
-        cache_config = CacheConfig.from_model(model, **config.cache_settings())
-        self.cache = (PagedKVCache(cache_config, config.block_size) if config.kv_cache == "paged"
-                      else VirtualKVCache(cache_config))
-        self.kv = KVCacheManager(self.cache, config.enable_prefix_caching)
+        if (config.tensor_parallel_size > 1) != (group is not None):
+            raise ValueError("tensor_parallel_size > 1 runs through vattn.LLM, which starts the ranks")
+        self.cache, kv = build_cache(model, config)
+        self.group = group
+        self.kv = kv if group is None else RecordingKV(kv)
         self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(model, self.cache, config.attention, config.pack_linears, config.fuse_projections,
-                                  config.max_num_seqs, config.compile)
+        sharded = group is not None  # DTensor weights: the linears stay transformers'
+        self.runner = ModelRunner(model, self.cache, config.attention, config.pack_linears and not sharded,
+                                  config.fuse_projections and not sharded, config.max_num_seqs, config.compile)
         self.model, self.tokenizer = model, tokenizer
         self.worker = MapWorker() if config.map_ahead else None
         self.requests: dict[str, Request] = {}
@@ -110,9 +127,16 @@ class LLMEngine:
                 why = " (the process is at vm.max_map_count)" if self.kv.map_limit_hits else ""
                 raise RuntimeError(f"no request could be scheduled: memory is too short{why}")
             return []
-        self._map_ahead(plan)
+        inputs = StepInputs.of(plan)
+        batch = self.runner.batch(inputs)
+        reads = self.runner.zero_fill_range(batch)
+        self._map_ahead(plan, background=reads is None)
+        if reads:
+            self.scheduler.timed(self.cache.zero_fill, *reads)
         try:
-            logits = self.runner.run(plan)
+            with self._ranks():
+                self._broadcast(inputs)
+                logits = self.runner.run(inputs, batch)
         finally:
             waited = self._wait_for_mapping()
         usage, pages = self.kv.usage, self.kv.num_mapped_pages
@@ -121,19 +145,57 @@ class LLMEngine:
                           plan.num_tokens, usage, pages, not plan.prefills)
         return outputs
 
-    def _map_ahead(self, plan: StepPlan) -> None:
+    def _map_ahead(self, plan: StepPlan, background: bool) -> None:
         """Map the page each sampling sequence needs for the token it feeds
         next step (and unmap what newly given slots hold past their size): on
-        the worker while this step computes, or here and now without one."""
+        the worker while this step computes, or here and now without one or
+        when the forward reads pages the worker could unmap (`zero_fill`)."""
         limit = self.config.max_seq_len
         targets = {w.seq: len(w.seq.token_ids) + 1 for w in plan.work if w.samples and len(w.seq.token_ids) < limit}
-        if self.worker:
+        if self.worker and background:
             self.worker.submit(lambda: self.kv.map_ahead(targets))
         else:
             self.scheduler.timed(self.kv.map_ahead, targets)
 
     def _wait_for_mapping(self) -> float:
         return self.worker.wait() if self.worker else 0.0
+
+    # ------------------------------------------------------------ tensor parallelism
+
+    def _broadcast(self, inputs: StepInputs) -> None:
+        """The step to the other ranks: the cache calls since the last, and the forward."""
+        if self.group is not None:
+            start = time.perf_counter()
+            self.group.send(Message(self.kv.take(), inputs))
+            self.stats.broadcast_seconds += time.perf_counter() - start
+
+    @contextmanager
+    def _ranks(self):
+        """Around what the other ranks take part in: a failure anywhere ends
+        the group (no rank is left waiting) and names the rank that failed."""
+        if self.group is None:
+            yield
+            return
+        if self.group.closed:
+            raise RankFailed("the tensor-parallel ranks are shut down; this engine can serve no more")
+        try:
+            yield
+        except BaseException as e:
+            failure = self.group.failure(e)
+            self.group.shutdown()
+            raise failure from e
+
+    def rank_books(self) -> list[tuple]:
+        """Every rank's page books (`vattn.engine.lockstep.books`), each rank's
+        cache checked first; under tensor parallelism all must be equal."""
+        self._wait_for_mapping()
+        if self.group is None:
+            self.kv.check()
+            return [books(self.kv)]
+        with self._ranks():
+            self.group.send(Message(self.kv.take(), query="books"))
+            self.kv.check()
+            return self.group.gather(books(self.kv.kv))
 
     def _sample(self, rows: list[tuple[Request, list[Sequence]]], logits: torch.Tensor) -> list[RequestOutput]:
         now = time.perf_counter()
@@ -193,10 +255,17 @@ class LLMEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def close(self) -> None:
-        """Stop the mapping thread and give the model its own attention back."""
+        """Stop the mapping thread, give the model its own attention back, and
+        stop the other tensor-parallel ranks."""
         if self.worker:
             self.worker.close()
         self.runner.close()
+        if self.group is not None and not self.group.closed:
+            try:
+                with self._ranks():
+                    self.group.send(Message(self.kv.take(), query="stop"))
+            finally:
+                self.group.shutdown()
 
 
 def _stop_cut(text: str, stops: list[str]) -> int | None:

@@ -29,6 +29,7 @@ class EngineStats:
     utilization: list[float] = field(default_factory=list)  # live / mapped by running requests, per step
     decode_only: list[bool] = field(default_factory=list)  # the step had no prefill chunk
     peak_pages: int = 0  # pages mapped at the busiest step (each `page_bytes` of memory)
+    broadcast_seconds: float = 0.0  # sending steps to the other tensor-parallel ranks
 
     def record(self, seconds: float, map_seconds: float, tokens: int, utilization: float, pages: int,
                decode_only: bool) -> None:

@@ -14,7 +14,7 @@ import torch
 from vattn import attention
 from vattn.attention import registry, sdpa
 from vattn.engine.linears import serve_linears
-from vattn.engine.plan import StepPlan
+from vattn.engine.plan import StepInputs
 from vattn.kv.slots import SlotCache
 
 
@@ -27,8 +27,7 @@ class ModelRunner:
         `compile`: run the model through `torch.compile` instead, one graph
         for every step (its token and row counts are unbacked sizes), with
         inductor's freezing, which packs the weights itself."""
-        c = cache.config
-        self.kernel = registry.pick(cache.device.type, c.dtype, cache.kind, c.head_dim, kernel)
+        self.kernel = registry.pick_for(cache, kernel)
         attention.register()
         self.model, self.cache = model.eval(), cache
         self.linears = serve_linears(model, pack and not compile, fuse and not compile, rows)
@@ -38,15 +37,22 @@ class ModelRunner:
         self.per_request_decodes = 0  # layers whose decode took one kernel call per request (`StepBatch`)
         self._forward = torch.compile(model, dynamic=True) if compile else model
 
-    def run(self, plan: StepPlan) -> torch.Tensor:
+    def batch(self, inputs: StepInputs) -> attention.StepBatch:
+        """What the forward holds, for its kernels."""
+        return attention.StepBatch(self.cache, inputs.decode_slots, inputs.decode_positions, inputs.chunks,
+                                   self.kernel)
+
+    def zero_fill_range(self, batch: attention.StepBatch) -> tuple[int, int, int] | None:
+        """(lo, hi, length): the rows the kernel reads whole in this step where
+        nothing backs what is not mapped (a virtual cache on CUDA), for
+        `VirtualKVCache.zero_fill` once the step's pages are mapped; else None."""
+        if self.kernel.range_read is None or self.cache.kind != "virtual" or self.cache.storage.zero_backed:
+            return None
+        return self.kernel.range_read(batch)
+
+    def run(self, step: StepInputs, batch: attention.StepBatch) -> torch.Tensor:
         """Logits `[rows, vocab]` (on the host), a row per work that samples, in plan order."""
-        batch = attention.StepBatch(self.cache, [w.slot for w in plan.decodes], [w.start for w in plan.decodes],
-                                    [(w.slot, w.start, w.num_tokens) for w in plan.prefills], self.kernel)
-        ids, rows = [], []
-        for w in plan.work:
-            ids += w.seq.token_ids[w.start:w.start + w.num_tokens]
-            if w.samples:
-                rows.append(len(ids) - 1)
+        ids, rows = step.token_ids, step.sample_rows
         device = self.model.device
         inputs = dict(input_ids=torch.tensor([ids], device=device), position_ids=batch.positions(),
                       logits_to_keep=torch.tensor(rows or [len(ids) - 1], device=device))

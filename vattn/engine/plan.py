@@ -1,6 +1,7 @@
 """The step plan: what one forward computes, as the scheduler decided it
-(vLLM's `SchedulerOutput`).  The model runner reads it; the scheduler's
-`update` takes it back once the forward is done."""
+(vLLM's `SchedulerOutput`).  The model runner reads its inputs
+(`StepInputs`, plain data every tensor-parallel rank receives); the
+scheduler's `update` takes it back once the forward is done."""
 from dataclasses import dataclass, field
 
 from vattn.engine.request import Request, Sequence
@@ -40,3 +41,26 @@ class StepPlan:
 
     def add(self, work: Work) -> None:
         (self.decodes if work.num_tokens == 1 else self.prefills).append(work)
+
+
+@dataclass(slots=True, frozen=True)
+class StepInputs:
+    """A plan's forward as plain data: the decode tokens' slots and
+    positions, the prefill chunks (slot, first position, tokens), every
+    token id in the forward's order, and the rows whose logits sample."""
+
+    decode_slots: list[int]
+    decode_positions: list[int]
+    chunks: list[tuple[int, int, int]]
+    token_ids: list[int]
+    sample_rows: list[int]
+
+    @classmethod
+    def of(cls, plan: StepPlan) -> "StepInputs":
+        ids, rows = [], []
+        for w in plan.work:
+            ids += w.seq.token_ids[w.start:w.start + w.num_tokens]
+            if w.samples:
+                rows.append(len(ids) - 1)
+        return cls([w.slot for w in plan.decodes], [w.start for w in plan.decodes],
+                   [(w.slot, w.start, w.num_tokens) for w in plan.prefills], ids, rows)

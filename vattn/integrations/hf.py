@@ -65,7 +65,7 @@ class VAttnLayer(CacheLayerMixin):
 class VAttnCache(Cache):
     def __init__(self, config: CacheConfig):
         self.kv = VirtualKVCache(config)
-        self.kernel = registry.pick(self.kv.device.type, config.dtype, self.kv.kind, config.head_dim)
+        self.kernel = registry.pick_for(self.kv)
         super().__init__(layers=[VAttnLayer(self, i) for i in range(config.num_layers)])
         self.rows = 0  # batch rows; row i is slot i
         self._capacity = 0  # tokens every row is sized for (kept here: it is checked on every update)

@@ -40,6 +40,9 @@ class Access:
             if pos + T > s.capacity:
                 raise ValueError(f"slot {slot} is sized for {s.capacity} tokens; writing {T} at {pos} "
                                  f"needs {pos + T}: grow it first")
+            if c.pages_for(pos + T) > len(s.pages):  # past them lies nothing, or the read-only zero page
+                raise ValueError(f"slot {slot} maps {len(s.pages)} pages; writing {T} tokens at {pos} "
+                                 f"needs {c.pages_for(pos + T)}")
             if pos * c.token_bytes // c.page_size < self._shared_prefix(s):
                 raise ValueError(f"writing at token {pos} of slot {slot} would change a page it shares "
                                  f"with another slot")
@@ -60,12 +63,17 @@ class Access:
 
     def readable(self, lo: int, hi: int, length: int) -> bool:
         """Whether all `length` rows of slots lo..hi-1 may be read.  Without a
-        zero backing only pages the mapping worker cannot take count (an
-        active slot's, up to its capacity; not idle or spare pages)."""
+        zero backing: where `zero_fill` made them so, until the cache next
+        maps or unmaps; else only pages the mapping worker cannot take count
+        (an active slot's, up to its capacity; not idle or spare pages)."""
         c = self.config
         need = c.pages_for(length)
-        return self.storage.zero_backed or all(
-            s.active and min(len(s.pages), c.pages_for(s.capacity)) >= need for s in self._slots[lo:hi])
+        if self.storage.zero_backed:
+            return True
+        filled = self._readable_range
+        if filled is not None and filled[0] <= lo and hi <= filled[1] and need <= filled[2]:
+            return True
+        return all(s.active and min(len(s.pages), c.pages_for(s.capacity)) >= need for s in self._slots[lo:hi])
 
     def live_kv(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`[written, H, D]` K and V of the tokens the slot has written in

@@ -34,7 +34,7 @@ class PagedStorage:
     def __init__(self, config: CacheConfig, block_size: int, backend: Backend):
         c = self.config = config
         self.block_size, self.backend, self.device = block_size, backend, backend.device
-        self._zero_block = c.num_pages
+        self.zero_block = c.num_pages  # rows past a table read this block, never written
         blocks = c.num_pages + 1
         chunk = -(-_CHUNK // backend.granularity) * backend.granularity
         chunks = -(-c.num_buffers * blocks * c.page_size // chunk)
@@ -87,7 +87,7 @@ class PagedStorage:
         """Pool rows of tokens 0..length-1 of each table, table-major; past a
         table's blocks, the zero block."""
         bs = self.block_size
-        table = torch.full((len(tables), -(-length // bs)), self._zero_block, dtype=torch.long)
+        table = torch.full((len(tables), -(-length // bs)), self.zero_block, dtype=torch.long)
         for r, blocks in enumerate(tables):
             blocks = blocks[:table.shape[1]]
             table[r, :len(blocks)] = torch.tensor(blocks, dtype=torch.long)
@@ -149,3 +149,17 @@ class PagedKVCache(SlotCache):
         config = resolve(dataclasses.replace(config, layout="per_layer", page_size=block_size * token), backend)
         super().__init__(config, PagedStorage(config, block_size, backend))
         self.block_size, self.backend = block_size, backend
+
+    def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V block pools of `layer`, `[num_blocks + 1, block_size, H, D]`
+        (the last block is never written), for kernels given block tables."""
+        self._check_layer(layer)
+        pools = self.storage.pools
+        return tuple(p.view(-1, self.block_size, *p.shape[1:]) for p in (pools[2 * layer], pools[2 * layer + 1]))
+
+    def block_tables(self, slots: list[int]) -> list[list[int]]:
+        """The slots' block tables as rows of one length, each padded with the
+        block that is never written."""
+        tables = [self.block_table(slot) for slot in slots]
+        width = max(map(len, tables), default=0)
+        return [t + [self.storage.zero_block] * (width - len(t)) for t in tables]

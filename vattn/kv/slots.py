@@ -54,6 +54,8 @@ class SlotCache(Access, Sharing, Inspection):
         self._slots = [Slot([0] * config.num_layers) for _ in range(config.max_num_seqs)]
         self._clock = itertools.count(1)
         self._swapped: dict[int, SwappedSlot] = {}
+        self._zero_filled: set[tuple[int, int]] = set()  # (slot, page index) where the zero page is mapped
+        self._readable_range: tuple[int, int, int] | None = None  # (lo, hi, pages) filled, until the next (un)map
         self.map_calls = self.unmap_calls = self.map_limit_hits = 0
 
     # ------------------------------------------------------------ slots
@@ -255,9 +257,15 @@ class SlotCache(Access, Sharing, Inspection):
 
     def _attach(self, entries: list[tuple[int, int]], pages: list[int]) -> None:
         """Map allocated `pages` at (slot, page index) `entries`, each after its
-        slot's last page; if mapping fails, the pages go back to the pool.  At
-        the mapping limit, idle slots' pages (which hold mapping entries too)
-        are unmapped and the call tried once more."""
+        slot's last page, taking the zero page away first where it is mapped
+        there; if mapping fails, the pages go back to the pool.  At the mapping
+        limit, idle slots' pages (which hold mapping entries too) are unmapped
+        and the call tried once more."""
+        self._readable_range = None
+        filled = [e for e in entries if e in self._zero_filled]
+        if filled:
+            self.storage.unmap(filled)
+            self._zero_filled.difference_update(filled)
         try:
             try:
                 self.storage.map(entries, pages)
@@ -285,6 +293,7 @@ class SlotCache(Access, Sharing, Inspection):
         if not entries:
             return 0
         pages = [self._slots[i].pages[j] for i, j in entries]
+        self._readable_range = None
         self.storage.unmap(entries)
         self.unmap_calls += 1
         for i, keep in cuts.items():

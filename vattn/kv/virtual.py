@@ -8,9 +8,10 @@ layer's K and V as ordinary strided tensors over the reservation.
 
 On the host the whole reservation is zero-backed: an address with no page
 reads as zeros, so kernels that read the whole-buffer views past a slot's
-length cannot fault.  CUDA has no such zero page: kernels read a slot's rows
-only as far as its pages reach (`readable`), and FlashAttention as far as the
-lengths it is given.
+length cannot fault.  CUDA has no such backing: kernels read a slot's rows
+only as far as its pages reach (`readable`), FlashAttention and the Triton
+kernel as far as the lengths they are given; for one batched call over a
+range of slots, `zero_fill` maps one read-only zero page where it has none.
 """
 import torch
 
@@ -19,6 +20,7 @@ from vattn.config import CacheConfig, resolve
 from vattn.kv.inspect import CacheStats
 from vattn.kv.sharing import SwappedSlot
 from vattn.kv.slots import SlotCache
+from vattn.kv.storage import short_at_map_limit
 
 __all__ = ["CacheStats", "SwappedSlot", "VirtualKVCache", "VirtualStorage"]
 
@@ -55,6 +57,9 @@ class VirtualStorage:
 
     def map(self, entries, pages) -> None:
         self.backend.map(self.reservation, self.physical, self._offsets(entries), self._physical_pages(pages))
+
+    def map_zero(self, entries) -> None:
+        self.backend.map_zero(self.reservation, self.physical, self._offsets(entries))
 
     def unmap(self, entries) -> None:
         self.backend.unmap(self.reservation, self.physical, self._offsets(entries))
@@ -124,3 +129,29 @@ class VirtualKVCache(SlotCache):
         on CUDA only the rows of mapped pages (`readable`)."""
         self._check_layer(layer)
         return self.storage.k[layer], self.storage.v[layer]
+
+    @short_at_map_limit(False)
+    def zero_fill(self, lo: int, hi: int, length: int) -> bool:
+        """Make the first `length` rows of slots lo..hi-1 `readable` for one
+        batched kernel call where nothing backs what is not mapped: the
+        read-only zero page goes wherever those rows have no page, and the
+        pages there (any slot's, idle or active) count as readable until the
+        cache next maps or unmaps, so nothing may map or unmap while that call
+        runs (the engine maps a step's pages before such a forward, not during
+        it).  A page grown into later takes the zero page's place.  False,
+        changing nothing, at the process's limit on mappings."""
+        self._check_slot(lo)
+        self._check_slot(hi - 1)
+        if not lo < hi:
+            raise ValueError(f"slots {lo}..{hi - 1} are no range")
+        self._check_tokens(length)
+        if self.storage.zero_backed:
+            return True
+        need = self.config.pages_for(length)
+        entries = [(i, j) for i in range(lo, hi) for j in range(len(self._slots[i].pages), need)
+                   if (i, j) not in self._zero_filled]
+        if entries:
+            self.storage.map_zero(entries)
+            self._zero_filled.update(entries)
+        self._readable_range = lo, hi, need
+        return True
