@@ -87,8 +87,8 @@ def test_two_ranks_equal_one_and_hf_generate(checkpoint):
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_two_ranks_under_preemption_equal_one(checkpoint, mode):
-    path, _ = checkpoint
+def test_two_ranks_under_preemption_equal_one(llama, mode):
+    path, _ = llama
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     single, outputs, stats = served_by_two_ranks(path, [(p, params) for p in prompts()],
                                                  memory_budget=8 * PER_LAYER_GROUP, preemption_mode=mode)

@@ -156,6 +156,8 @@ def launch(size: int, model, settings: dict, device_type: str = "cpu") -> Group:
         world = int(os.environ["WORLD_SIZE"])
         if world != size:
             raise ValueError(f"tensor_parallel_size={size}, but torchrun started {world} processes")
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend(device_type), timeout=TIMEOUT)
         group = Group(dist.get_rank(), size)
         if group.rank != 0:
