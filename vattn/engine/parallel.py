@@ -297,12 +297,10 @@ def check_shardable(config, size: int) -> None:
                          f"{kv_heads} KV heads (each rank holds its own)")
 
 
-def check_settings(size, model, device_type: str) -> None:
-    """Refuse a tensor-parallel size before any process starts: it must be
-    an int ≥ 1, divide the model's heads (read from its config where
-    `model` names one) and, on CUDA, not exceed the devices."""
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ValueError(f"tensor_parallel_size must be a positive int, got {size!r}")
+def check_settings(size: int, model, device_type: str) -> None:
+    """Refuse a tensor-parallel size before any process starts: it must
+    divide the model's heads (read from its config where `model` names one)
+    and, on CUDA, not exceed the devices."""
     if device_type == "cuda" and size > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices; "
                          f"{torch.cuda.device_count()} are visible")
