@@ -59,8 +59,8 @@ def no_ranks_left():
 
 
 def served_by_two_ranks(path, reqs, **settings):
-    """The outputs of one process and of two ranks, the two ranks' engine stats
-    and page books (each rank's cache checked)."""
+    """(one process's outputs, two ranks' outputs, the two ranks' engine
+    stats), the two ranks' caches checked and their page books equal."""
     settings = SETTINGS | dict(layout="per_layer") | settings
     one = LLM(str(path), **settings)
     single = generate(one, reqs)
