@@ -41,8 +41,9 @@ def run(b: "StepBatch", layer: int, q, k, v, scaling, window) -> torch.Tensor:
     d = len(b.decode_slots)
     if d:
         K, V = b.cache.layer_kv(layer)
-        decode(q[:d], K, V, b.tensor("slots", b.decode_slots), b.tensor("lengths", [p + 1 for p in b.decode_positions]),
-               scaling, window, out[:d], checked=True)  # the cache checked the slots and positions it wrote
+        lengths = b.tensor("lengths", lambda: [p + 1 for p in b.decode_positions])
+        decode(q[:d], K, V, b.tensor("slots", b.decode_slots), lengths, scaling, window, out[:d],
+               checked=True)  # the cache checked the slots and positions it wrote
     sdpa.prefill_into(out, b, layer, q, scaling, window)
     return out
 

@@ -181,9 +181,7 @@ class LLMEngine:
         try:
             yield
         except BaseException as e:
-            failure = self.group.failure(e)
-            self.group.shutdown()
-            raise failure from e
+            raise self.group.failure(e) from e
 
     def rank_books(self) -> list[tuple]:
         """Every rank's page books (`vattn.engine.lockstep.books`), each rank's

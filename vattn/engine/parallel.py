@@ -90,9 +90,10 @@ class Group:
             pass
 
     def failure(self, error: BaseException) -> RankFailed:
-        """What rank 0 raises when a collective or forward failed: each other
-        rank's reported error or exit status (waiting up to `GRACE` seconds
-        for one to show), else `error` itself."""
+        """What rank 0 raises when a collective or forward failed, once it has
+        shut the other ranks down: each other rank's reported error or exit
+        status (waiting up to `GRACE` seconds for one to show), else `error`
+        itself."""
         deadline = time.monotonic() + GRACE
         while True:
             reports = self._reports()
@@ -100,6 +101,7 @@ class Group:
                 break
             time.sleep(0.05)
         why = "; ".join(f"rank {r}: {text}" for r, text in sorted(reports.items()))
+        self.shutdown()
         return RankFailed(f"tensor-parallel rank failed ({why or f'rank 0: {type(error).__name__}: {error}'}); "
                           f"the other ranks are shut down")
 
@@ -253,9 +255,7 @@ def load_here(model, group: Group | None):
         loaded = load(model, group.size)
         dist.barrier()
     except BaseException as e:
-        failure = group.failure(e)
-        group.shutdown()
-        raise failure from e
+        raise group.failure(e) from e
     return loaded
 
 
