@@ -12,7 +12,8 @@ the host, FlashAttention (`flash`) on CUDA with flash-attn installed and a
 `attn_implementation="vattn"`.  It attends for the `StepBatch` of the
 forward running inside `step(batch)`, through one torch operator,
 `vattn::attention`, so that `torch.compile` traces a model around it without
-breaking its graph.
+breaking its graph.  `attend(batch, layer, q, k, v, ...)` is that operator's
+work, for a forward that calls it directly (`vattn.engine.forward`).
 """
 import threading
 from contextlib import contextmanager
@@ -23,7 +24,8 @@ from vattn.attention.flash import flash_attn_with_kvcache  # None without flash-
 from vattn.attention.metadata import StepBatch
 from vattn.attention.sdpa import decode, prefill
 
-__all__ = ["NAME", "StepBatch", "attention", "decode", "flash_attn_with_kvcache", "prefill", "register", "step"]
+__all__ = ["NAME", "StepBatch", "attend", "attention", "decode", "flash_attn_with_kvcache", "prefill", "register",
+           "step"]
 
 NAME = "vattn"
 
@@ -55,12 +57,18 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lay
     b = getattr(_steps, "batch", None)
     if b is None:
         raise RuntimeError('attn_implementation="vattn" runs inside vattn.LLMEngine steps only')
-    if query.shape[2] != b.num_tokens:
-        raise ValueError(f"the forward has {query.shape[2]} tokens; its StepBatch describes {b.num_tokens}")
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    return attend(b, layer, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), scaling,
+                  window).unsqueeze(0)
+
+
+def attend(b: StepBatch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+           window: int) -> torch.Tensor:
+    """Layer `layer` of the forward `b` describes: its K/V `[T, H_kv, D]` into
+    the cache, and `q [T, H, D]`'s attention out (`[T, H, D]`; `window` 0: none)."""
+    if q.shape[0] != b.num_tokens:
+        raise ValueError(f"the forward has {q.shape[0]} tokens; its StepBatch describes {b.num_tokens}")
     b.write(layer, k, v, store=not b.kernel.stores_kv)
-    return b.kernel.run(b, layer, q, k, v, scaling, window or None).unsqueeze(0)
+    return b.kernel.run(b, layer, q, k, v, scaling, window or None)
 
 
 @attend_step.register_fake

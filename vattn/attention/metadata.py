@@ -26,6 +26,7 @@ class StepBatch:
     _masks: dict = field(default_factory=dict)  # decode masks and kernel arguments, built once per step
     _rows: torch.Tensor | None = None  # decode slots - lo, built once per step
     per_request_decodes: int = 0  # layers whose decode tokens took one kernel call per request
+    _checked: bool = False  # whether the cache has checked the step's writes (once, for every layer)
 
     def __post_init__(self):
         if self.kernel is None:
@@ -53,12 +54,19 @@ class StepBatch:
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor, store: bool = True) -> None:
         """Store this forward's `[T, H_kv, D]` K/V of `layer` at each request's
         positions (with `store=False` only check and record it: the kernel
-        appends it)."""
+        appends it).  The positions are checked once, for every layer."""
         d = len(self.decode_slots)
+        if not self._checked:
+            if d:
+                self.cache.check_writes(self.decode_slots, self.decode_positions, 1)
+            for slot, start, n in self.chunks:
+                self.cache.check_writes([slot], [start], n)
+            self._checked = True
         if d:
-            self.cache.write(layer, self.decode_slots, self.decode_positions, key[:d, None], value[:d, None], store)
+            self.cache.store_checked(layer, self.decode_slots, self.decode_positions, key[:d, None],
+                                     value[:d, None], store)
         for slot, start, rows in self.prefill_chunks():
-            self.cache.write(layer, [slot], [start], key[None, rows], value[None, rows], store)
+            self.cache.store_checked(layer, [slot], [start], key[None, rows], value[None, rows], store)
 
     def requests(self):
         """The native kernel's request table: a request per decode token and per

@@ -24,13 +24,18 @@ class EngineConfig:
     `pack_linears` pre-packs the model's linear weights for oneDNN on the CPU
     and `fuse_projections` runs Q/K/V and gate/up as one GEMM each where the
     architecture is known (`vattn.engine.linears`); the model is given back
-    unchanged by `close()`.  `compile` runs the model through `torch.compile`
-    (one graph for every step, compiled by the first; inductor's freezing
-    packs the weights, so `pack_linears` and `fuse_projections` do not
-    apply).  `tensor_parallel_size` ranks each hold a share of the model's
-    heads and a cache of their own KV heads (`vattn.engine.parallel`; its
-    linears stay transformers', so `pack_linears` and `fuse_projections` do
-    not apply, nor does `compile`); `memory_budget` is then each rank's."""
+    unchanged by `close()`.  `own_forward` runs the architectures
+    `vattn.engine.forward` knows through the engine's own forward over the
+    model's modules (transformers' arithmetic without its per-call
+    machinery); other models run their own forward.  `compile` runs the
+    model through `torch.compile` (one graph for every step, compiled by the
+    first; inductor's freezing packs the weights, so `pack_linears`,
+    `fuse_projections` and `own_forward` do not apply).
+    `tensor_parallel_size` ranks each hold a share of the model's heads and
+    a cache of their own KV heads (`vattn.engine.parallel`; its linears and
+    forward stay transformers', so `pack_linears`, `fuse_projections` and
+    `own_forward` do not apply, nor does `compile`); `memory_budget` is then
+    each rank's."""
 
     max_num_seqs: int = 64  # the batch limits `vattn bench sweep` found fastest (benchmarks/README.md)
     max_num_batched_tokens: int = 512
@@ -49,6 +54,7 @@ class EngineConfig:
     attention: str | None = None
     pack_linears: bool = True
     fuse_projections: bool = True
+    own_forward: bool = True
     compile: bool = False
     tensor_parallel_size: int = 1
 
@@ -58,7 +64,7 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
         for name in ("enable_prefix_caching", "map_ahead", "deferred_reclamation", "pack_linears",
-                     "fuse_projections", "compile"):
+                     "fuse_projections", "own_forward", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.preemption_mode not in PREEMPTION_MODES:

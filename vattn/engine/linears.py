@@ -159,6 +159,18 @@ def serve_linears(model: nn.Module, pack: bool = True, fuse: bool = True, rows: 
     return done
 
 
+def projections(parent: nn.Module, names: tuple[str, ...]):
+    """x -> the outputs of `parent`'s linears `names` on x, side by side
+    (`[..., sum of their out_features]`): one GEMM where `serve_linears`
+    fused them in that order, else each linear and their concatenation."""
+    modules = [getattr(parent, n) for n in names]
+    group = modules[0].group if isinstance(modules[0], Part) else None
+    if group is not None and [(m.group, m.index) for m in modules if isinstance(m, Part)] == [
+            (group, i) for i in range(len(group.columns))] and len(modules) == len(group.columns):
+        return group.gemm
+    return lambda x: torch.cat([m(x) for m in modules], -1)
+
+
 def _replace(done: ServedLinears, owners, parent: nn.Module, name: str, module: nn.Module, served: Linear,
              part: slice) -> None:
     """`parent.name` becomes `module`, computed by `served`, whose weight rows `part` are the original's."""

@@ -218,7 +218,7 @@ def serve(group: Group, model, settings: dict) -> None:
         config = EngineConfig(**settings)
         shard, _ = load(model, group.size, with_tokenizer=False)
         cache, kv = build_cache(shard, config)
-        runner = ModelRunner(shard, cache, config.attention, pack=False, fuse=False)
+        runner = ModelRunner(shard, cache, config.attention, pack=False, fuse=False, own_forward=False)
         replica = Replica(kv)
         dist.barrier()  # loaded: rank 0 waits for every rank here
         while True:

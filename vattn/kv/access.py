@@ -14,14 +14,46 @@ class Access:
         extend what the slot holds, not leave a gap.  With `store=False` the
         write is checked and recorded but the bytes are left to the caller's
         kernel (FlashAttention appends K/V in place)."""
-        c = self.config
         self._check_layer(layer)
         slots, positions = list(slots), list(positions)
+        self._check_slots(slots, positions)
+        self._check_tensors(len(slots), key, value)
+        self._check_positions(slots, positions, key.shape[1], layer)
+        self._store(layer, slots, positions, key, value, store)
+
+    def check_writes(self, slots: Sequence[int], positions: Sequence[int], num_tokens: int) -> None:
+        """What `write` checks of its slots and positions, for every layer at
+        once (a forward writes the same positions in each): a ValueError
+        unless `store_checked` may then write `num_tokens` tokens there in
+        any layer."""
+        slots, positions = list(slots), list(positions)
+        self._check_slots(slots, positions)
+        self._check_positions(slots, positions, num_tokens, None)
+
+    def store_checked(self, layer: int, slots: list[int], positions: list[int], key: torch.Tensor,
+                      value: torch.Tensor, store: bool = True) -> None:
+        """`write`, of as many tokens as `check_writes` passed at these slots and positions."""
+        self._check_layer(layer)
+        self._check_tensors(len(slots), key, value)
+        self._store(layer, slots, positions, key, value, store)
+
+    def _store(self, layer, slots, positions, key, value, store) -> None:
+        if store:
+            self.storage.store(layer, slots, [self._slots[i].pages for i in slots], positions, key, value)
+        T = key.shape[1]
+        for slot, pos in zip(slots, positions):
+            written = self._slots[slot].written
+            written[layer] = max(written[layer], pos + T)
+
+    def _check_slots(self, slots: list[int], positions: list[int]) -> None:
         B = len(slots)
         if B == 0 or len(positions) != B:
             raise ValueError(f"write needs one position per slot, got {B} slots and {len(positions)} positions")
         if len(set(slots)) != B:
             raise ValueError(f"write got a slot twice: {slots}")
+
+    def _check_tensors(self, B: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        c = self.config
         for name, t in (("key", key), ("value", value)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -31,12 +63,17 @@ class Access:
                 raise ValueError(f"{name} must be [{B}, T>0, {c.num_kv_heads}, {c.head_dim}], got {list(t.shape)}")
         if key.shape != value.shape:
             raise ValueError(f"key {list(key.shape)} and value {list(value.shape)} differ in shape")
-        T = key.shape[1]
+
+    def _check_positions(self, slots: list[int], positions: list[int], T: int, layer: int | None) -> None:
+        """Raise unless `T` tokens may go at `positions` of `slots` in `layer` (None: every layer)."""
+        c = self.config
         for slot, pos in zip(slots, positions):
             s = self._active(slot)
-            if not isinstance(pos, int) or not 0 <= pos <= s.written[layer]:
-                raise ValueError(f"position {pos!r} for slot {slot} layer {layer} must be in "
-                                 f"[0, {s.written[layer]}] (writes may not leave a gap)")
+            written = s.written[layer] if layer is not None else min(s.written)
+            if not isinstance(pos, int) or not 0 <= pos <= written:
+                where = f"layer {layer}" if layer is not None else "every layer"
+                raise ValueError(f"position {pos!r} for slot {slot} {where} must be in "
+                                 f"[0, {written}] (writes may not leave a gap)")
             if pos + T > s.capacity:
                 raise ValueError(f"slot {slot} is sized for {s.capacity} tokens; writing {T} at {pos} "
                                  f"needs {pos + T}: grow it first")
@@ -46,11 +83,6 @@ class Access:
             if pos * c.token_bytes // c.page_size < self._shared_prefix(s):
                 raise ValueError(f"writing at token {pos} of slot {slot} would change a page it shares "
                                  f"with another slot")
-        if store:
-            self.storage.store(layer, slots, [self._slots[i].pages for i in slots], positions, key, value)
-        for slot, pos in zip(slots, positions):
-            written = self._slots[slot].written
-            written[layer] = max(written[layer], pos + T)
 
     def rows_kv(self, layer: int, lo: int, hi: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V `[hi - lo, length, H, D]` of `layer`: the first `length`

@@ -1,0 +1,144 @@
+"""The engine's own forward for the decoder architectures it knows
+(`ARCHITECTURES`: Llama, Mistral, Qwen2), over the model's own modules and
+weights.
+
+It does transformers' arithmetic in transformers' order, so its logits are
+theirs bit for bit.  What it leaves out is the per-call machinery around that
+arithmetic: keyword plumbing and decorators, masks the engine's kernels do
+not read, per-layer dispatch through the attention interface and its torch
+operator.  The step is one flat batch of `[T, hidden]` rows; the rotary
+embedding's cos and sin are rows of a table made once (where they depend on
+the position alone); Q and K are rotated together; the final norm and the LM
+head run on the rows that sample only.
+
+`DecoderForward.of(model)` is None for a model it cannot run as transformers
+would (another architecture, a layer of another kind, hooks on a module):
+the engine then calls the model itself.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vattn import attention
+from vattn.engine.linears import projections
+
+ARCHITECTURES = {  # model_type -> the class name prefix of its modules
+    "llama": "Llama",
+    "mistral": "Mistral",
+    "qwen2": "Qwen2",
+}
+
+
+@dataclass(slots=True, frozen=True)
+class _Layer:
+    index: int
+    input_norm: nn.Module
+    qkv: object  # x -> [q | k | v]
+    o_proj: nn.Module
+    post_norm: nn.Module
+    gate_up: object  # x -> [gate | up]
+    act: nn.Module
+    down_proj: nn.Module
+    scaling: float
+    window: int
+
+
+class DecoderForward:
+    """`forward(ids, positions, rows, batch)`: the logits of `rows`."""
+
+    def __init__(self, model: nn.Module, max_positions: int):
+        inner, config = model.model, model.config
+        self.model, self.inner = model, inner
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.layers = [_Layer(i, layer.input_layernorm, projections(layer.self_attn, ("q_proj", "k_proj", "v_proj")),
+                              layer.self_attn.o_proj, layer.post_attention_layernorm,
+                              projections(layer.mlp, ("gate_proj", "up_proj")), layer.mlp.act_fn,
+                              layer.mlp.down_proj, layer.self_attn.scaling, _window(config, layer.self_attn))
+                       for i, layer in enumerate(inner.layers[:config.num_hidden_layers])]
+        rope_type = inner.rotary_emb.rope_type
+        self._rotary = None  # cos and sin `[max_positions, D]`, or None: made each step by the model's module
+        if isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope":
+            embed = inner.embed_tokens.weight
+            with torch.inference_mode():
+                cos, sin = inner.rotary_emb(embed[:1], torch.arange(max_positions, device=embed.device)[None])
+            self._rotary = cos[0], sin[0]
+
+    @classmethod
+    def of(cls, model: nn.Module, max_positions: int) -> "DecoderForward | None":
+        """The forward for `model` over positions below `max_positions`, or
+        None where it would not be transformers' own."""
+        prefix = ARCHITECTURES.get(getattr(model.config, "model_type", None))
+        inner = getattr(model, "model", None)
+        if prefix is None or type(model).__name__ != f"{prefix}ForCausalLM" or inner is None:
+            return None
+        names = {"model": f"{prefix}Model", "rotary": f"{prefix}RotaryEmbedding", "layer": f"{prefix}DecoderLayer",
+                 "attention": f"{prefix}Attention", "mlp": f"{prefix}MLP", "norm": f"{prefix}RMSNorm"}
+        if (type(inner).__name__ != names["model"] or type(inner.rotary_emb).__name__ != names["rotary"]
+                or type(inner.norm).__name__ != names["norm"] or type(inner.embed_tokens) is not nn.Embedding):
+            return None
+        for layer in inner.layers:
+            if (type(layer).__name__ != names["layer"] or type(layer.self_attn).__name__ != names["attention"]
+                    or type(layer.mlp).__name__ != names["mlp"] or type(layer.mlp.act_fn).__name__ != "SiLUActivation"
+                    or {type(layer.input_layernorm).__name__, type(layer.post_attention_layernorm).__name__}
+                    != {names["norm"]}):
+                return None
+        if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()) or _global_hooks():
+            return None
+        return cls(model, max_positions)
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                 batch: attention.StepBatch) -> torch.Tensor:
+        """`ids`, `positions [T]`; `rows`: the rows whose logits come back."""
+        T = ids.shape[0]
+        h = self.inner.embed_tokens(ids)
+        cos, sin = self._cos_sin(h, positions)
+        H, G, D = self.heads, self.kv_heads, self.head_dim
+        for layer in self.layers:
+            qkv = layer.qkv(_norm(layer.input_norm, h)).view(T, H + 2 * G, D)
+            qk = _rotate(qkv[:, :H + G], cos, sin)
+            out = attention.attend(batch, layer.index, qk[:, :H], qk[:, H:], qkv[:, H + G:], layer.scaling,
+                                   layer.window)
+            h = h + layer.o_proj(out.reshape(T, -1))
+            gate_up = layer.gate_up(_norm(layer.post_norm, h))
+            gate, up = gate_up.tensor_split(2, -1)
+            h = h + layer.down_proj(layer.act(gate) * up)
+        return self.model.lm_head(_norm(self.inner.norm, h[rows]))
+
+    def _cos_sin(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary embedding's cos and sin at the step's positions, `[T, 1, D]` (against `[T, heads, D]`)."""
+        if self._rotary is None:
+            cos, sin = (t[0] for t in self.inner.rotary_emb(h, positions[None]))
+        else:
+            cos, sin = (t[positions] for t in self._rotary)
+        return cos[:, None], sin[:, None]
+
+
+def _norm(norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """transformers' RMSNorm; in float32 one fused operator, equal to it bit for bit."""
+    if h.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+        return F.rms_norm(h, norm.weight.shape, norm.weight, norm.variance_epsilon)
+    return norm(h)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as transformers applies it (`x·cos + rotate_half(x)·sin`)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+def _window(config, attn: nn.Module) -> int:
+    """The sliding window transformers passes this layer's attention (0: none)."""
+    if hasattr(attn, "sliding_window"):  # Qwen2: per layer
+        return attn.sliding_window or 0
+    if config.model_type == "mistral":
+        return getattr(config, "sliding_window", None) or 0
+    return 0
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module
+
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
