@@ -11,8 +11,11 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from vattn import SamplingParams
 from vattn.engine.linears import Fused, Linear, Part, serve_linears
 
-SWITCHES = [dict(pack_linears=p, fuse_projections=f) for p in (True, False) for f in (True, False)]
-SWITCH_IDS = [f"pack={int(s['pack_linears'])}-fuse={int(s['fuse_projections'])}" for s in SWITCHES]
+ON, OFF = True, False
+SWITCHES = [dict(pack_linears=p, fuse_projections=f, own_forward=o) for p, f, o in [
+    (ON, ON, ON), (ON, OFF, ON), (OFF, ON, ON), (OFF, OFF, ON), (ON, ON, OFF), (OFF, OFF, OFF)]]
+SWITCH_IDS = [f"pack={int(s['pack_linears'])}-fuse={int(s['fuse_projections'])}-own={int(s['own_forward'])}"
+              for s in SWITCHES]
 
 
 def snapshot(model):
@@ -127,7 +130,8 @@ def test_prefix_hits_and_parallel_samples_with_each_switch(settings):
     assert run(engine, [(system + b, greedy(12))]) == [[expected[1]]]
     assert engine.scheduler.prefix_hit_tokens == 64
     [samples] = run(engine, [(system, SamplingParams(max_tokens=12, temperature=0.8, seed=3, n=3))])
-    lone = engine_for(model, max_num_batched_tokens=128, pack_linears=False, fuse_projections=False)
+    lone = engine_for(model, max_num_batched_tokens=128, pack_linears=False, fuse_projections=False,
+                      own_forward=False)
     for i, sample in enumerate(samples):  # each sample is its seed's, whatever GEMMs ran
         assert run(lone, [(system, SamplingParams(max_tokens=12, temperature=0.8, seed=3 + i))]) == [[sample]]
     engine.close()

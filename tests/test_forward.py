@@ -1,0 +1,94 @@
+"""The engine's own forward (`vattn.engine.forward`): the model's logits bit
+for bit on every step, and the model's own forward wherever it would not be
+transformers' arithmetic."""
+import pytest
+import torch
+from test_engine import engine_for, greedy, hf_greedy, prompts, run
+from test_linears import unknown_architecture
+from tiny_models import SMALL, TINY, tiny_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from vattn import SamplingParams
+from vattn.engine.forward import DecoderForward
+
+
+def dynamic_rope_llama():
+    """Llama whose rotary frequencies change once a step reaches past 32 positions."""
+    torch.manual_seed(0)
+    config = LlamaConfig(**SMALL | dict(max_position_embeddings=32),
+                         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    return LlamaForCausalLM(config).eval()
+
+
+def compare_each_step(engine) -> list[bool]:
+    """Have every step run both forwards, the own one's logits going on; one entry a step: whether they were equal."""
+    runner, equal = engine.runner, []
+    own = runner.decoder
+
+    def both(ids, positions, rows, batch):
+        logits = own(ids, positions, rows, batch)
+        equal.append(torch.equal(logits, runner._model_logits(ids[None], rows, batch)))  # rewrites the same K/V
+        return logits
+
+    runner.decoder = both
+    return equal
+
+
+@pytest.mark.parametrize("settings", [{}, dict(pack_linears=False, fuse_projections=False),
+                                      dict(attention="sdpa", preemption_mode="swap")], ids=["packed", "plain", "sdpa"])
+@pytest.mark.parametrize("arch", [*TINY, "dynamic_rope"])
+def test_the_own_forward_gives_the_models_logits_bit_for_bit(arch, settings):
+    model = dynamic_rope_llama() if arch == "dynamic_rope" else tiny_model(arch, "sdpa")
+    engine = engine_for(model, **settings)
+    assert engine.runner.decoder is not None
+    assert (engine.runner.decoder._rotary is None) == (arch == "dynamic_rope")  # dynamic: made each step
+    equal = compare_each_step(engine)
+    samples = SamplingParams(max_tokens=12, temperature=0.8, seed=5, n=2)
+    run(engine, [(p, greedy()) for p in prompts()] + [(prompts([20])[0], samples)])
+    assert len(equal) > 10 and all(equal)
+    engine.close()
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_the_engine_equals_hf_generate_with_and_without_its_own_forward(arch):
+    model = tiny_model(arch, "sdpa")
+    reference = [[hf_greedy(model, p, 40)] for p in prompts()]
+    for own in (True, False):
+        engine = engine_for(model, own_forward=own)
+        assert (engine.runner.decoder is not None) == own
+        assert run(engine, [(p, greedy()) for p in prompts()]) == reference
+        engine.close()
+
+
+def hooked_llama():
+    """A Llama whose first MLP's output a forward hook halves: not transformers' arithmetic alone."""
+    model = tiny_model("llama", "sdpa")
+    model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: out * 0.5)
+    return model
+
+
+class OtherLayer(type(tiny_model("llama", "sdpa").model.layers[0])):
+    """A decoder layer of the user's own (a subclass): its forward may differ."""
+
+
+def swapped_layer_llama():
+    model = tiny_model("llama", "sdpa")
+    model.model.layers[1].__class__ = OtherLayer
+    return model
+
+
+@pytest.mark.parametrize("make", [unknown_architecture, hooked_llama, swapped_layer_llama],
+                         ids=["qwen3", "hooked", "subclassed_layer"])
+def test_a_model_it_does_not_know_runs_its_own_forward(make):
+    model = make()
+    assert DecoderForward.of(model, 160) is None
+    reference = [[hf_greedy(model, p, 30)] for p in prompts()]
+    engine = engine_for(model)
+    assert engine.runner.decoder is None
+    assert run(engine, [(p, greedy(30)) for p in prompts()]) == reference
+    engine.close()
+
+
+def test_own_forward_must_be_a_bool():
+    with pytest.raises(ValueError, match="own_forward must be a bool"):
+        engine_for(tiny_model("llama", "sdpa"), own_forward="yes")
