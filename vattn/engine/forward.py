@@ -59,12 +59,11 @@ class DecoderForward:
                               layer.mlp.down_proj, layer.self_attn.scaling, _window(config, layer.self_attn))
                        for i, layer in enumerate(inner.layers[:config.num_hidden_layers])]
         rope_type = inner.rotary_emb.rope_type
-        self._rotary = None  # cos and sin `[max_positions, D]`, or None: made each step by the model's module
+        self._rotary = None  # `_cos_sin` of every position below max_positions, or None: made each step
         if isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope":
             embed = inner.embed_tokens.weight
             with torch.inference_mode():
-                cos, sin = inner.rotary_emb(embed[:1], torch.arange(max_positions, device=embed.device)[None])
-            self._rotary = cos[0], sin[0]
+                self._rotary = self._cos_sin(embed[:1], torch.arange(max_positions, device=embed.device))
 
     @classmethod
     def of(cls, model: nn.Module, max_positions: int) -> "DecoderForward | None":
@@ -94,7 +93,8 @@ class DecoderForward:
         """`ids`, `positions [T]`; `rows`: the rows whose logits come back."""
         T = ids.shape[0]
         h = self.inner.embed_tokens(ids)
-        cos, sin = self._cos_sin(h, positions)
+        cos, sin = self._cos_sin(h, positions) if self._rotary is None else (t[positions] for t in self._rotary)
+        cos, sin = cos[:, None], sin[:, None]  # against [T, heads, D]
         H, G, D = self.heads, self.kv_heads, self.head_dim
         for layer in self.layers:
             qkv = layer.qkv(_norm(layer.input_norm, h)).view(T, H + 2 * G, D)
@@ -108,12 +108,10 @@ class DecoderForward:
         return self.model.lm_head(_norm(self.inner.norm, h[rows]))
 
     def _cos_sin(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary embedding's cos and sin at the step's positions, `[T, 1, D]` (against `[T, heads, D]`)."""
-        if self._rotary is None:
-            cos, sin = (t[0] for t in self.inner.rotary_emb(h, positions[None]))
-        else:
-            cos, sin = (t[positions] for t in self._rotary)
-        return cos[:, None], sin[:, None]
+        """The model's rotary cos and sin `[T, D]` at `positions`, sin's first half negated (`_rotate`)."""
+        cos, sin = (t[0] for t in self.inner.rotary_emb(h, positions[None]))
+        half = sin.shape[-1] // 2
+        return cos, torch.cat((-sin[:, :half], sin[:, half:]), -1)
 
 
 def _norm(norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -123,10 +121,12 @@ def _norm(norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return norm(h)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding as transformers applies it (`x·cos + rotate_half(x)·sin`)."""
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding as transformers applies it, `x·cos + rotate_half(x)·sin`,
+    with rotate_half's negation moved onto sin (the same products, bit for
+    bit): `x·cos + [x2, x1]·[-sin1, sin2]`."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), -1) * signed_sin
 
 
 def _window(config, attn: nn.Module) -> int:
