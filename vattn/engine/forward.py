@@ -15,6 +15,7 @@ head run on the rows that sample only.
 would (another architecture, a layer of another kind, hooks on a module):
 the engine then calls the model itself.
 """
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,10 +36,10 @@ ARCHITECTURES = {  # model_type -> the class name prefix of its modules
 class _Layer:
     index: int
     input_norm: nn.Module
-    qkv: object  # x -> [q | k | v]
+    qkv: Callable[[torch.Tensor], torch.Tensor]  # x -> [q | k | v]
     o_proj: nn.Module
     post_norm: nn.Module
-    gate_up: object  # x -> [gate | up]
+    gate_up: Callable[[torch.Tensor], torch.Tensor]  # x -> [gate | up]
     act: nn.Module
     down_proj: nn.Module
     scaling: float

@@ -164,9 +164,9 @@ def projections(parent: nn.Module, names: tuple[str, ...]):
     (`[..., sum of their out_features]`): one GEMM where `serve_linears`
     fused them in that order, else each linear and their concatenation."""
     modules = [getattr(parent, n) for n in names]
-    group = modules[0].group if isinstance(modules[0], Part) else None
-    if group is not None and [(m.group, m.index) for m in modules if isinstance(m, Part)] == [
-            (group, i) for i in range(len(group.columns))] and len(modules) == len(group.columns):
+    group = getattr(modules[0], "group", None)
+    if isinstance(group, Fused) and len(group.columns) == len(modules) and all(
+            isinstance(m, Part) and m.group is group and m.index == i for i, m in enumerate(modules)):
         return group.gemm
     return lambda x: torch.cat([m(x) for m in modules], -1)
 
