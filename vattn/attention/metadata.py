@@ -26,7 +26,7 @@ class StepBatch:
     _masks: dict = field(default_factory=dict)  # decode masks and kernel arguments, built once per step
     _rows: torch.Tensor | None = None  # decode slots - lo, built once per step
     per_request_decodes: int = 0  # layers whose decode tokens took one kernel call per request
-    _checked: bool = False  # whether the cache has checked the step's writes (once, for every layer)
+    _checked: list | None = None  # the step's writes as the cache checked them, once for every layer
 
     def __post_init__(self):
         if self.kernel is None:
@@ -56,17 +56,14 @@ class StepBatch:
         positions (with `store=False` only check and record it: the kernel
         appends it).  The positions are checked once, for every layer."""
         d = len(self.decode_slots)
-        if not self._checked:
-            if d:
-                self.cache.check_writes(self.decode_slots, self.decode_positions, 1)
-            for slot, start, n in self.chunks:
-                self.cache.check_writes([slot], [start], n)
-            self._checked = True
+        if self._checked is None:
+            self._checked = ([self.cache.check_writes(self.decode_slots, self.decode_positions, 1)] if d else []) + [
+                self.cache.check_writes([slot], [start], n) for slot, start, n in self.chunks]
+        writes = iter(self._checked)
         if d:
-            self.cache.store_checked(layer, self.decode_slots, self.decode_positions, key[:d, None],
-                                     value[:d, None], store)
-        for slot, start, rows in self.prefill_chunks():
-            self.cache.store_checked(layer, [slot], [start], key[None, rows], value[None, rows], store)
+            self.cache.store_checked(layer, next(writes), key[:d, None], value[:d, None], store)
+        for (_, _, rows), checked in zip(self.prefill_chunks(), writes):
+            self.cache.store_checked(layer, checked, key[None, rows], value[None, rows], store)
 
     def requests(self):
         """The native kernel's request table: a request per decode token and per

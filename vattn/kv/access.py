@@ -1,7 +1,17 @@
 """The data side of `SlotCache`: what attention and the HF cache write and read."""
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedWrite:
+    """Slots and positions `Access.check_writes` passed for `num_tokens` tokens in every layer."""
+
+    slots: list[int]
+    positions: list[int]
+    num_tokens: int
 
 
 class Access:
@@ -21,21 +31,24 @@ class Access:
         self._check_positions(slots, positions, key.shape[1], layer)
         self._store(layer, slots, positions, key, value, store)
 
-    def check_writes(self, slots: Sequence[int], positions: Sequence[int], num_tokens: int) -> None:
+    def check_writes(self, slots: Sequence[int], positions: Sequence[int], num_tokens: int) -> CheckedWrite:
         """What `write` checks of its slots and positions, for every layer at
         once (a forward writes the same positions in each): a ValueError
-        unless `store_checked` may then write `num_tokens` tokens there in
-        any layer."""
+        unless `num_tokens` tokens may go there in any layer, which
+        `store_checked` then writes layer by layer."""
         slots, positions = list(slots), list(positions)
         self._check_slots(slots, positions)
         self._check_positions(slots, positions, num_tokens, None)
+        return CheckedWrite(slots, positions, num_tokens)
 
-    def store_checked(self, layer: int, slots: list[int], positions: list[int], key: torch.Tensor,
-                      value: torch.Tensor, store: bool = True) -> None:
-        """`write`, of as many tokens as `check_writes` passed at these slots and positions."""
+    def store_checked(self, layer: int, checked: CheckedWrite, key: torch.Tensor, value: torch.Tensor,
+                      store: bool = True) -> None:
+        """`write` of `checked`'s tokens, `[B, num_tokens, H, D]`."""
         self._check_layer(layer)
-        self._check_tensors(len(slots), key, value)
-        self._store(layer, slots, positions, key, value, store)
+        self._check_tensors(len(checked.slots), key, value)
+        if key.shape[1] != checked.num_tokens:
+            raise ValueError(f"the write was checked for {checked.num_tokens} tokens; key has {key.shape[1]}")
+        self._store(layer, checked.slots, checked.positions, key, value, store)
 
     def _store(self, layer, slots, positions, key, value, store) -> None:
         if store:
