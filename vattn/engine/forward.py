@@ -17,6 +17,7 @@ the engine then calls the model itself.
 """
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -35,10 +36,10 @@ ARCHITECTURES = {  # model_type -> the class name prefix of its modules
 @dataclass(slots=True, frozen=True)
 class _Layer:
     index: int
-    input_norm: nn.Module
+    input_norm: Callable[[torch.Tensor], torch.Tensor]
     qkv: Callable[[torch.Tensor], torch.Tensor]  # x -> [q | k | v]
     o_proj: nn.Module
-    post_norm: nn.Module
+    post_norm: Callable[[torch.Tensor], torch.Tensor]
     gate_up: Callable[[torch.Tensor], torch.Tensor]  # x -> [gate | up]
     act: nn.Module
     down_proj: nn.Module
@@ -54,8 +55,11 @@ class DecoderForward:
         self.model, self.inner = model, inner
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.layers = [_Layer(i, layer.input_layernorm, projections(layer.self_attn, ("q_proj", "k_proj", "v_proj")),
-                              layer.self_attn.o_proj, layer.post_attention_layernorm,
+        rows = inner.embed_tokens.weight.dtype  # the hidden rows' dtype
+        self.final_norm = _rms_norm(inner.norm, rows)
+        self.layers = [_Layer(i, _rms_norm(layer.input_layernorm, rows),
+                              projections(layer.self_attn, ("q_proj", "k_proj", "v_proj")),
+                              layer.self_attn.o_proj, _rms_norm(layer.post_attention_layernorm, rows),
                               projections(layer.mlp, ("gate_proj", "up_proj")), layer.mlp.act_fn,
                               layer.mlp.down_proj, layer.self_attn.scaling, _window(config, layer.self_attn))
                        for i, layer in enumerate(inner.layers[:config.num_hidden_layers])]
@@ -98,15 +102,15 @@ class DecoderForward:
         cos, sin = cos[:, None], sin[:, None]  # against [T, heads, D]
         H, G, D = self.heads, self.kv_heads, self.head_dim
         for layer in self.layers:
-            qkv = layer.qkv(_norm(layer.input_norm, h)).view(T, H + 2 * G, D)
+            qkv = layer.qkv(layer.input_norm(h)).view(T, H + 2 * G, D)
             qk = _rotate(qkv[:, :H + G], cos, sin)
             out = attention.attend(batch, layer.index, qk[:, :H], qk[:, H:], qkv[:, H + G:], layer.scaling,
                                    layer.window)
             h = h + layer.o_proj(out.reshape(T, -1))
-            gate_up = layer.gate_up(_norm(layer.post_norm, h))
+            gate_up = layer.gate_up(layer.post_norm(h))
             gate, up = gate_up.tensor_split(2, -1)
             h = h + layer.down_proj(layer.act(gate) * up)
-        return self.model.lm_head(_norm(self.inner.norm, h[rows]))
+        return self.model.lm_head(self.final_norm(h[rows]))
 
     def _cos_sin(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's rotary cos and sin `[T, D]` at `positions`, sin's first half negated (`_rotate`)."""
@@ -115,11 +119,12 @@ class DecoderForward:
         return cos, torch.cat((-sin[:, :half], sin[:, half:]), -1)
 
 
-def _norm(norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """transformers' RMSNorm; in float32 one fused operator, equal to it bit for bit."""
-    if h.dtype == torch.float32 and norm.weight.dtype == torch.float32:
-        return F.rms_norm(h, norm.weight.shape, norm.weight, norm.variance_epsilon)
-    return norm(h)
+def _rms_norm(norm: nn.Module, rows: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """transformers' RMSNorm `norm` over rows of dtype `rows`; in float32 one
+    fused operator, equal to it bit for bit."""
+    if norm.weight.dtype == rows == torch.float32:
+        return partial(F.rms_norm, normalized_shape=norm.weight.shape, weight=norm.weight, eps=norm.variance_epsilon)
+    return norm
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
