@@ -87,8 +87,3 @@ def test_a_model_it_does_not_know_runs_its_own_forward(make):
     assert engine.runner.decoder is None
     assert run(engine, [(p, greedy(30)) for p in prompts()]) == reference
     engine.close()
-
-
-def test_own_forward_must_be_a_bool():
-    with pytest.raises(ValueError, match="own_forward must be a bool"):
-        engine_for(tiny_model("llama", "sdpa"), own_forward="yes")

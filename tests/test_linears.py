@@ -153,6 +153,7 @@ def test_an_architecture_the_fusion_does_not_know_is_served_unfused():
 @pytest.mark.parametrize("settings, message", [
     (dict(pack_linears="yes"), "pack_linears must be a bool"), (dict(fuse_projections=1), "fuse_projections"),
     (dict(compile="yes"), "compile must be a bool"), (dict(attention="fastest"), "fastest"),
+    (dict(own_forward="yes"), "own_forward must be a bool"),
 ])
 def test_bad_settings_leave_the_model_untouched(settings, message):
     model = tiny_model("llama", "sdpa")
