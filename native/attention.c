@@ -10,7 +10,11 @@
  * attention: query head h reads K/V head h / (H / H_kv), and one tile holds
  * the queries of a K/V head, so each K and V row is read from memory once for
  * all of them.  K/V in float32 or bfloat16, everything summed in float32,
- * softmax online (streaming) in blocks of BLOCK rows.
+ * softmax online (streaming) in blocks of BLOCK rows.  A decode tile (a
+ * token's few query heads) scores one query at a time with the head dimension
+ * in vector lanes; a prefill tile (up to TILE queries of several tokens) holds
+ * its queries in the lanes instead and broadcasts each K value against them,
+ * a small matrix product with no horizontal sums.
  *
  * Work: tiles (request, K/V head, up to TILE query vectors) are cut along the
  * rows into splits when there are too few for the threads; splits run on
@@ -35,13 +39,16 @@
 /* the vector helpers are all inlined: no vector crosses a call */
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-enum { BLOCK = 32, TILE = 16, MAX_HEAD_DIM = 256, MIN_SPLIT = 128, SERIAL_ROWS = 1024 };
+enum { BLOCK = 32, TILE = 32, MAX_HEAD_DIM = 256, MIN_SPLIT = 128, SERIAL_ROWS = 1024 };
+enum { ACROSS = TILE / 2 };  /* tiles of more queries than this take them in lanes (probs_across) */
 enum { F32 = 0, BF16 = 1 };
 enum { REQ_SLOT, REQ_START, REQ_LENGTH, REQ_Q_FIRST, REQ_NUM_Q, REQ_FIELDS };
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 typedef float v8f_u __attribute__((vector_size(32), aligned(1)));
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -70,25 +77,30 @@ INLINE void prefetch_row(const char *row, int64_t nbytes) {
     for (int64_t at = 0; at < nbytes; at += 64) __builtin_prefetch(row + at, 0, 2);
 }
 
-INLINE v8f blend(v8i mask, v8f a, v8f b) { return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask)); }
-
-/* e^x, 8 lanes (Cephes' expf: Cody-Waite reduction, degree-6 polynomial; ~1 ulp). */
-INLINE v8f vexp(v8f x) {
-    const v8f lo = (v8f){} - 87.33654f, hi = (v8f){} + 88.37626f, magic = (v8f){} + 12582912.0f;
-    x = blend(x < lo, lo, blend(x > hi, hi, x));
-    v8f t = x * 1.44269504088896341f + magic;  /* round to nearest, as the float's low bits */
-    v8f n = t - magic;
-    v8i e = ((v8i)t - (v8i)magic + 127) << 23;
-    v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v8f y = (v8f){} + 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.0f;
-    return y * (v8f)e;
-}
+/* blend (lanes of a where mask is set, else of b) and e^x (Cephes' expf: Cody-Waite reduction,
+ * degree-6 polynomial; ~1 ulp), for a float vector type F and its int vector type I. */
+#define VECTOR_MATH(F, I, SUFFIX)                                                                       \
+    INLINE F blend##SUFFIX(I mask, F a, F b) { return (F)(((I)a & mask) | ((I)b & ~mask)); }         \
+    INLINE F vexp##SUFFIX(F x) {                                                                     \
+        const F lo = (F){} - 87.33654f, hi = (F){} + 88.37626f, magic = (F){} + 12582912.0f;           \
+        x = blend##SUFFIX(x < lo, lo, blend##SUFFIX(x > hi, hi, x));                                 \
+        F t = x * 1.44269504088896341f + magic; /* round to nearest, as the float's low bits */       \
+        F n = t - magic;                                                                             \
+        I e = ((I)t - (I)magic + 127) << 23;                                                         \
+        F r = x - n * 0.693359375f + n * 2.12194440e-4f;                                             \
+        F y = (F){} + 1.9875691500e-4f;                                                              \
+        y = y * r + 1.3981999507e-3f;                                                                \
+        y = y * r + 8.3334519073e-3f;                                                                \
+        y = y * r + 4.1665795894e-2f;                                                                \
+        y = y * r + 1.6666665459e-1f;                                                                \
+        y = y * r + 5.0000001201e-1f;                                                                \
+        y = y * r * r + r + 1.0f;                                                                    \
+        return y * (F)e;                                                                             \
+    }
+VECTOR_MATH(v8f, v8i, 8)
+VECTOR_MATH(v16f, v16i, 16)
+#define blend(mask, a, b) _Generic((a), v8f: blend8, v16f: blend16)(mask, a, b)
+#define vexp(x) _Generic((x), v8f: vexp8, v16f: vexp16)(x)
 
 /* Lane i of the result: the sum of x[i]'s lanes. */
 INLINE v8f reduce8(const v8f x[8]) {
@@ -148,6 +160,17 @@ typedef struct {
     int64_t num_items;
     atomic_long next;
 } Call;
+
+/* A split while it runs: its queries (scaled; by query, and by dimension for probs_across), the
+ * rows each reads, and the online softmax's running max, sum and output. */
+typedef struct {
+    float qs[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float qt[MAX_HEAD_DIM][TILE] __attribute__((aligned(64)));
+    float acc[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float m[TILE] __attribute__((aligned(64))), l[TILE] __attribute__((aligned(64)));
+    int64_t qlo[TILE], qhi[TILE];
+    int64_t lo_max, hi_min;  /* the rows every query reads: [lo_max, hi_min) */
+} Online;
 
 /* Query j of a tile: its token and head within the request, and its rows. */
 INLINE void query_rows(const Call *c, const int64_t *r, int64_t j, int64_t *lo, int64_t *hi) {

@@ -32,31 +32,158 @@ INLINE v8f NAME(fold)(vec x) {
 #endif
 }
 
-/* acc[i] += Σ_t p[i][t] · v_t for n (a constant) queries, 2W dims at a time in registers. */
-INLINE void NAME(accumulate)(float (*acc)[MAX_HEAD_DIM], const float (*p)[BLOCK], const char *v, int64_t vrow,
-                             int nb, int64_t D, const int n, int bf16) {
-    for (int64_t d = 0; d < D; d += 2 * W) {
-        const int two = d + 2 * W <= D;
-        vec o[4][2];
+#define DV (W == 16 ? 4 : 2) /* V vectors a query holds in registers: 16 accumulators at four queries */
+
+/* acc[i][d..] += Σ_t p_it · v_t[d..] for n queries and nv vectors of dims (constants, the
+ * accumulators in registers); p_it is p[i * pq + t * pt]. */
+INLINE void NAME(accumulate_at)(float (*acc)[MAX_HEAD_DIM], const float *p, int64_t pq, int64_t pt, const char *v,
+                                int64_t vrow, int nb, int64_t d, const int n, const int nv, int bf16) {
+    vec o[4][DV];
 #pragma GCC unroll 4
-        for (int i = 0; i < n; i++) {
-            o[i][0] = *(vec *)&acc[i][d];
-            o[i][1] = two ? *(vec *)&acc[i][d + W] : (vec){};
+    for (int i = 0; i < n; i++)
+#pragma GCC unroll 4
+        for (int k = 0; k < nv; k++) o[i][k] = *(vec *)&acc[i][d + k * W];
+    for (int t = 0; t < nb; t++) {
+        const char *row = v + t * vrow;
+        vec x[DV];
+#pragma GCC unroll 4
+        for (int k = 0; k < nv; k++) x[k] = NAME(load)(row, d + k * W, bf16);
+#pragma GCC unroll 4
+        for (int i = 0; i < n; i++)
+#pragma GCC unroll 4
+            for (int k = 0; k < nv; k++) o[i][k] += p[i * pq + t * pt] * x[k];
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < n; i++)
+#pragma GCC unroll 4
+        for (int k = 0; k < nv; k++) *(vec *)&acc[i][d + k * W] = o[i][k];
+}
+
+/* acc[i] += Σ_t p_it · v_t for n (a constant) queries, DV·W dims at a time. */
+INLINE void NAME(accumulate)(float (*acc)[MAX_HEAD_DIM], const float *p, int64_t pq, int64_t pt, const char *v,
+                             int64_t vrow, int nb, int64_t D, const int n, int bf16) {
+    int64_t d = 0;
+    for (; d + DV * W <= D; d += DV * W) NAME(accumulate_at)(acc, p, pq, pt, v, vrow, nb, d, n, DV, bf16);
+    for (; d < D; d += W) NAME(accumulate_at)(acc, p, pq, pt, v, vrow, nb, d, n, 1, bf16);
+}
+
+/* The tile's queries in lanes: QV vectors of W hold its TILE queries. */
+#define QV (TILE / W)
+#define ROWS (8 / QV) /* K rows a call of scores() takes: eight accumulators */
+
+/* s[u] = K row u · each of the tile's queries (in lanes) for n (a constant) rows: each K value is
+ * broadcast against the queries transposed, so no score needs a horizontal sum. */
+INLINE void NAME(scores)(vec (*s)[QV], const float (*qt)[TILE], const char *k, int64_t krow, int64_t D,
+                         const int n) {
+    vec dot[ROWS][QV] = {};
+    for (int64_t d = 0; d < D; d++) {
+        vec q[QV];
+        for (int v = 0; v < QV; v++) q[v] = *(const vec *)&qt[d][v * W];
+#pragma GCC unroll 8
+        for (int u = 0; u < n; u++) {
+            const float x = ((const float *)(k + u * krow))[d];
+            for (int v = 0; v < QV; v++) dot[u][v] += q[v] * x;
         }
-        for (int t = 0; t < nb; t++) {
-            const char *row = v + t * vrow;
-            vec x0 = NAME(load)(row, d, bf16), x1 = two ? NAME(load)(row, d + W, bf16) : (vec){};
-#pragma GCC unroll 4
-            for (int i = 0; i < n; i++) {
-                o[i][0] += p[i][t] * x0;
-                o[i][1] += p[i][t] * x1;
+    }
+    for (int u = 0; u < n; u++)
+        for (int v = 0; v < QV; v++) s[u][v] = dot[u][v];
+}
+
+/* A block's probabilities p[t][i] with the tile's queries in lanes (prefill chunks: many queries a
+ * tile): scores masked to the rows each query reads, then the online softmax's max, sum and
+ * rescale a vector of queries at a time.  Lanes past nq compute what they will: nothing reads them. */
+INLINE void NAME(probs_across)(Online *o, int nq, const char *kf, int64_t kfrow, int64_t b0, int nb, int64_t D,
+                               float (*p)[TILE]) {
+    vec s[BLOCK][QV];
+    int t = 0;
+    for (; t + ROWS <= nb; t += ROWS) NAME(scores)(s + t, o->qt, kf + t * kfrow, kfrow, D, ROWS);
+    for (; t < nb; t++) NAME(scores)(s + t, o->qt, kf + t * kfrow, kfrow, D, 1);
+    const vec none = (vec){} - __builtin_inff(), one = (vec){} + 1.0f;
+    const int partial = b0 < o->lo_max || b0 + nb > o->hi_min;  /* some query reads only some rows */
+    if (partial)
+        for (int i = 0; i < nq; i++)
+            for (t = 0; t < nb; t++)
+                if (b0 + t < o->qlo[i] || b0 + t >= o->qhi[i]) s[t][i / W][i % W] = -__builtin_inff();
+    float corr[TILE] __attribute__((aligned(64)));
+    for (int v = 0; v < QV; v++) {
+        vec top = none;
+        for (t = 0; t < nb; t++) top = blend(s[t][v] > top, s[t][v], top);
+        vec m = *(vec *)&o->m[v * W], best = blend(top > m, top, m), sum = {};
+        for (t = 0; t < nb; t++) {
+            vec x = vexp(s[t][v] - best);
+            if (partial) x = blend(s[t][v] > none, x, (vec){});
+            *(vec *)&p[t][v * W] = x;
+            sum += x;
+        }
+        vec c = blend(best > m, vexp(m - best), one);
+        *(vec *)&o->m[v * W] = best;
+        *(vec *)&o->l[v * W] = *(vec *)&o->l[v * W] * c + sum;
+        *(vec *)&corr[v * W] = c;
+    }
+    for (int i = 0; i < nq; i++)
+        if (corr[i] != 1.0f)
+            for (int64_t d = 0; d < D; d++) o->acc[i][d] *= corr[i];
+}
+
+/* A block's probabilities p[i][t] one query at a time with the head dimension in lanes (decode:
+ * a tile holds only a token's few query heads), eight scores at a time. */
+INLINE void NAME(probs_each)(Online *o, int nq, const char *kf, int64_t kfrow, const char *k0, int64_t krow,
+                             int64_t esize, int ahead, int64_t b0, int nb, int64_t D, float (*p)[BLOCK]) {
+    const v8i lanes = {0, 1, 2, 3, 4, 5, 6, 7};
+    const v8f none = (v8f){} - __builtin_inff();
+    enum { CHUNKS = BLOCK / 8 };
+    for (int i = 0; i < nq; i++) {
+        int a = o->qlo[i] > b0 ? (int)(o->qlo[i] - b0) : 0, e = o->qhi[i] - b0 < nb ? (int)(o->qhi[i] - b0) : nb;
+        v8f s[CHUNKS];
+        if (a >= e) {
+            for (int c = 0; c < CHUNKS; c++) *(v8f *)&p[i][8 * c] = (v8f){};
+            continue;
+        }
+        if (a == 0 && e == BLOCK) {
+            for (int c = 0; c < CHUNKS; c++) {
+                const char *rows = kf + 8 * c * kfrow;
+                vec dot[8] = {};
+                for (int64_t d = 0; d < D; d += W) {
+                    vec qv = *(const vec *)&o->qs[i][d];
+#pragma GCC unroll 8
+                    for (int u = 0; u < 8; u++) dot[u] += qv * NAME(load)(rows + u * kfrow, d, 0);
+                    if (i == 0 && ahead && !((d * esize) & 63))
+                        for (int u = 0; u < 8; u++)
+                            __builtin_prefetch(k0 + (8 * c + BLOCK + u) * krow + d * esize, 0, 2);
+                }
+                v8f folded[8];
+#pragma GCC unroll 8
+                for (int u = 0; u < 8; u++) folded[u] = NAME(fold)(dot[u]);
+                s[c] = reduce8(folded);
+            }
+        } else { /* the block's first or last rows: one at a time, -inf for the rest */
+            for (int c = 0; c < CHUNKS; c++) s[c] = none;
+            for (int t = a; t < e; t++) {
+                vec dot = {};
+                for (int64_t d = 0; d < D; d += W) dot += *(const vec *)&o->qs[i][d] * NAME(load)(kf + t * kfrow, d, 0);
+                s[t / 8][t % 8] = hsum(NAME(fold)(dot));
             }
         }
-#pragma GCC unroll 4
-        for (int i = 0; i < n; i++) {
-            *(vec *)&acc[i][d] = o[i][0];
-            if (two) *(vec *)&acc[i][d + W] = o[i][1];
+        v8f top = s[0];
+        for (int c = 1; c < CHUNKS; c++) top = blend(s[c] > top, s[c], top);
+        float best = hmax(top);
+        if (best > o->m[i]) {
+            float corr = vexp((v8f){} + (o->m[i] - best))[0];
+            for (int64_t d = 0; d < D; d++) o->acc[i][d] *= corr;
+            o->l[i] *= corr;
+            o->m[i] = best;
         }
+        v8f sum = {};
+        for (int c = 0; c < CHUNKS; c++) {
+            v8f x = vexp(s[c] - o->m[i]);
+            if (a != 0 || e != BLOCK) {
+                v8i at = lanes + 8 * c;
+                x = blend((at >= (v8i){} + a) & (at < (v8i){} + e), x, (v8f){});
+            }
+            *(v8f *)&p[i][8 * c] = x;
+            sum += x;
+        }
+        o->l[i] += hsum(sum);
     }
 }
 
@@ -65,30 +192,36 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16) {
     const Tile *tile = item->tile;
     const int64_t *r = c->reqs + tile->req * REQ_FIELDS;
     const int64_t D = c->D, G = c->G, esize = bf16 ? 2 : 4;
-    const int nq = tile->nq;
+    const int nq = tile->nq, across = nq > ACROSS;
     const char *kbase = c->k + (r[REQ_SLOT] * c->k_slot + tile->head * c->k_head) * esize;
     const char *vbase = c->v + (r[REQ_SLOT] * c->v_slot + tile->head * c->v_head) * esize;
     const int64_t krow = c->k_row * esize, vrow = c->v_row * esize;
 
-    float qs[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));
-    float acc[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    Online o;
     float kblock[BLOCK][MAX_HEAD_DIM] __attribute__((aligned(64)));  /* bfloat16 K, converted */
-    float p[TILE][BLOCK] __attribute__((aligned(32)));
-    float m[TILE], l[TILE];
-    int64_t qlo[TILE], qhi[TILE];
+    float p[TILE * BLOCK] __attribute__((aligned(64)));  /* across: [BLOCK][TILE], else [TILE][BLOCK] */
+    for (int i = 0; i < TILE; i++) {  /* lanes past nq read no rows */
+        o.m[i] = -__builtin_inff();
+        o.l[i] = 0;
+        o.qlo[i] = o.qhi[i] = 0;
+    }
     for (int i = 0; i < nq; i++) {
         int64_t j = tile->j0 + i, token = r[REQ_Q_FIRST] + j / G, head = tile->head * G + j % G;
         const char *row = c->q + (token * c->q_token + head * c->q_head) * esize;
-        for (int64_t d = 0; d < D; d++) qs[i][d] = scalar(row, d, bf16) * c->scale;
-        memset(acc[i], 0, D * sizeof(float));
-        m[i] = -__builtin_inff();
-        l[i] = 0;
-        query_rows(c, r, j, &qlo[i], &qhi[i]);
+        for (int64_t d = 0; d < D; d++) o.qs[i][d] = scalar(row, d, bf16) * c->scale;
+        memset(o.acc[i], 0, D * sizeof(float));
+        query_rows(c, r, j, &o.qlo[i], &o.qhi[i]);
     }
+    o.lo_max = 0;
+    o.hi_min = INT64_MAX;
+    for (int i = 0; i < nq; i++) {
+        o.lo_max = o.qlo[i] > o.lo_max ? o.qlo[i] : o.lo_max;
+        o.hi_min = o.qhi[i] < o.hi_min ? o.qhi[i] : o.hi_min;
+    }
+    if (across)
+        for (int64_t d = 0; d < D; d++)
+            for (int i = 0; i < TILE; i++) o.qt[d][i] = i < nq ? o.qs[i][d] : 0;
 
-    const v8i lanes = {0, 1, 2, 3, 4, 5, 6, 7};
-    const v8f none = (v8f){} - __builtin_inff();
-    enum { CHUNKS = BLOCK / 8 };
     for (int64_t b0 = item->lo; b0 < item->hi; b0 += BLOCK) {
         const int nb = (int)(item->hi - b0 < BLOCK ? item->hi - b0 : BLOCK);
         const char *k0 = kbase + b0 * krow, *v0 = vbase + b0 * vrow;
@@ -101,85 +234,38 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16) {
             kf = (const char *)kblock;
             kfrow = sizeof(kblock[0]);
         }
-        const int ahead = b0 + 2 * BLOCK <= item->hi;  /* prefetch the next block's K rows */
-        for (int t = 0; t < nb; t++) prefetch_row(v0 + t * vrow, D * esize);
-        /* scores, then probabilities, of the rows each query may read, eight at a time */
-        for (int i = 0; i < nq; i++) {
-            int a = qlo[i] > b0 ? (int)(qlo[i] - b0) : 0, e = qhi[i] - b0 < nb ? (int)(qhi[i] - b0) : nb;
-            v8f s[CHUNKS];
-            if (a >= e) {
-                for (int c = 0; c < CHUNKS; c++) *(v8f *)&p[i][8 * c] = (v8f){};
-                continue;
-            }
-            if (a == 0 && e == BLOCK) {
-                for (int c = 0; c < CHUNKS; c++) {
-                    const char *rows = kf + 8 * c * kfrow;
-                    vec dot[8] = {};
-                    for (int64_t d = 0; d < D; d += W) {
-                        vec qv = *(const vec *)&qs[i][d];
-#pragma GCC unroll 8
-                        for (int u = 0; u < 8; u++) dot[u] += qv * NAME(load)(rows + u * kfrow, d, 0);
-                        if (i == 0 && ahead && !((d * esize) & 63))
-                            for (int u = 0; u < 8; u++)
-                                __builtin_prefetch(k0 + (8 * c + BLOCK + u) * krow + d * esize, 0, 2);
-                    }
-                    v8f folded[8];
-#pragma GCC unroll 8
-                    for (int u = 0; u < 8; u++) folded[u] = NAME(fold)(dot[u]);
-                    s[c] = reduce8(folded);
-                }
-            } else {  /* the block's first or last rows: one at a time, -inf for the rest */
-                for (int c = 0; c < CHUNKS; c++) s[c] = none;
-                for (int t = a; t < e; t++) {
-                    vec dot = {};
-                    for (int64_t d = 0; d < D; d += W)
-                        dot += *(const vec *)&qs[i][d] * NAME(load)(kf + t * kfrow, d, 0);
-                    s[t / 8][t % 8] = hsum(NAME(fold)(dot));
-                }
-            }
-            v8f top = s[0];
-            for (int c = 1; c < CHUNKS; c++) top = blend(s[c] > top, s[c], top);
-            float best = hmax(top);
-            if (best > m[i]) {
-                float corr = vexp((v8f){} + (m[i] - best))[0];
-                for (int64_t d = 0; d < D; d++) acc[i][d] *= corr;
-                l[i] *= corr;
-                m[i] = best;
-            }
-            v8f sum = {};
-            for (int c = 0; c < CHUNKS; c++) {
-                v8f x = vexp(s[c] - m[i]);
-                if (a != 0 || e != BLOCK) {
-                    v8i at = lanes + 8 * c;
-                    x = blend((at >= (v8i){} + a) & (at < (v8i){} + e), x, (v8f){});
-                }
-                *(v8f *)&p[i][8 * c] = x;
-                sum += x;
-            }
-            l[i] += hsum(sum);
+        int64_t pq = 1, pt = TILE;  /* p_it is p[i * pq + t * pt] */
+        if (across) {  /* no prefetching: the many tiles of a prefill chunk find its rows in the cache */
+            NAME(probs_across)(&o, nq, kf, kfrow, b0, nb, D, (float (*)[TILE])p);
+        } else {
+            const int ahead = b0 + 2 * BLOCK <= item->hi;  /* prefetch the next block's K rows */
+            for (int t = 0; t < nb; t++) prefetch_row(v0 + t * vrow, D * esize);
+            NAME(probs_each)(&o, nq, kf, kfrow, k0, krow, esize, ahead, b0, nb, D, (float (*)[BLOCK])p);
+            pq = BLOCK;
+            pt = 1;
         }
         /* acc += p · V, four queries at a time */
         int i0 = 0;
-        for (; i0 + 4 <= nq; i0 += 4) NAME(accumulate)(acc + i0, p + i0, vbase + b0 * vrow, vrow, nb, D, 4, bf16);
+        for (; i0 + 4 <= nq; i0 += 4) NAME(accumulate)(o.acc + i0, p + i0 * pq, pq, pt, v0, vrow, nb, D, 4, bf16);
         switch (nq - i0) {
-            case 3: NAME(accumulate)(acc + i0, p + i0, vbase + b0 * vrow, vrow, nb, D, 3, bf16); break;
-            case 2: NAME(accumulate)(acc + i0, p + i0, vbase + b0 * vrow, vrow, nb, D, 2, bf16); break;
-            case 1: NAME(accumulate)(acc + i0, p + i0, vbase + b0 * vrow, vrow, nb, D, 1, bf16); break;
+            case 3: NAME(accumulate)(o.acc + i0, p + i0 * pq, pq, pt, v0, vrow, nb, D, 3, bf16); break;
+            case 2: NAME(accumulate)(o.acc + i0, p + i0 * pq, pq, pt, v0, vrow, nb, D, 2, bf16); break;
+            case 1: NAME(accumulate)(o.acc + i0, p + i0 * pq, pq, pt, v0, vrow, nb, D, 1, bf16); break;
         }
     }
 
     if (tile->splits > 1) {  /* max, sum, acc of this split, merged by merge() */
         float *part = tile->partial + item->split * nq * (D + 2);
-        memcpy(part, m, nq * sizeof(float));
-        memcpy(part + nq, l, nq * sizeof(float));
-        for (int i = 0; i < nq; i++) memcpy(part + 2 * nq + i * D, acc[i], D * sizeof(float));
+        memcpy(part, o.m, nq * sizeof(float));
+        memcpy(part + nq, o.l, nq * sizeof(float));
+        for (int i = 0; i < nq; i++) memcpy(part + 2 * nq + i * D, o.acc[i], D * sizeof(float));
         return;
     }
     for (int i = 0; i < nq; i++) {
         int64_t j = tile->j0 + i, token = r[REQ_Q_FIRST] + j / G, head = tile->head * G + j % G;
         char *row = c->out + (token * c->out_token + head * c->out_head) * esize;
-        float inv = 1.0f / l[i];
-        for (int64_t d = 0; d < D; d++) store(row, d, acc[i][d] * inv, bf16);
+        float inv = 1.0f / o.l[i];
+        for (int64_t d = 0; d < D; d++) store(row, d, o.acc[i][d] * inv, bf16);
     }
 }
 
@@ -194,6 +280,9 @@ INLINE void NAME(run_items)(Call *c) {
 }
 
 
+#undef QV
+#undef DV
+#undef ROWS
 #undef vec
 #undef veci
 #undef vec_u

@@ -117,11 +117,12 @@ def test_every_instruction_set_gives_the_same_answer(isa):
 
 
 def test_threads_split_long_requests_and_merge_them():
-    """One long request on several threads is cut into splits and merged; any
-    thread count gives the single-thread answer."""
-    cache, K, V = cache_views("per_head", 6, 3, 64, [4000], torch.float32)
-    q = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(4))
-    table = requests([(0, 0, 4000, 0, 1)])
+    """A long decode and a prefill chunk with history (its tiles of many
+    queries taken in lanes) on several threads, cut into splits and merged;
+    any thread count gives the single-thread answer."""
+    cache, K, V = cache_views("per_head", 6, 3, 64, [4000, 1300], torch.float32)
+    q = torch.randn(201, 6, 64, generator=torch.Generator().manual_seed(4))
+    table = requests([(0, 0, 4000, 0, 1), (1, 0, 1300, 1, 200)])
     threads = torch.get_num_threads()
     outs = []
     try:
