@@ -31,6 +31,7 @@
 
 #include "attention.h"
 #include "dlpack.h"
+#include "ops.h"
 
 static PyObject *MapLimitError;
 
@@ -461,12 +462,18 @@ static PyMethodDef methods[] = {
      "attend(q, out, k, v, requests, scale, window, threads): attention of q's tokens over strided K/V rows into out."},
     {"attention_isa", attention_isa, METH_VARARGS,
      "attention_isa([name]): the instruction set attend() runs, after switching to name ('avx2', 'baseline')."},
+    {"rms_norm", rms_norm, METH_VARARGS,
+     "rms_norm(x, residual, weight, eps, threads): x <- weight * RMS-normalized (residual + x), the sum kept in "
+     "residual (None: x alone)."},
+    {"silu_mul", silu_mul, METH_VARARGS, "silu_mul(out, gate_up, threads): out <- silu(gate) * up."},
+    {"rotate", rotate, METH_VARARGS,
+     "rotate(x, heads, cos, sin, threads): the rotary embedding of x's heads in place, sin's first half negated."},
     {NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "vattn._native",
                                     "Host virtual-memory primitives (mmap + memfd), DLPack capsules over raw memory, "
-                                    "and CPU attention over strided K/V.",
+                                    "CPU attention over strided K/V, and the engine forward's fused elementwise operators.",
                                     -1, methods};
 
 PyMODINIT_FUNC PyInit__native(void) {

@@ -1,6 +1,7 @@
 """The engine's own forward (`vattn.engine.forward`): the model's logits bit
-for bit on every step, and the model's own forward wherever it would not be
-transformers' arithmetic."""
+for bit on every step (within float32 rounding with its elementwise work
+fused), and the model's own forward wherever it would not be transformers'
+arithmetic."""
 import pytest
 import torch
 from test_engine import engine_for, greedy, hf_greedy, prompts, run
@@ -20,29 +21,36 @@ def dynamic_rope_llama():
     return LlamaForCausalLM(config).eval()
 
 
-def compare_each_step(engine) -> list[bool]:
-    """Have every step run both forwards, the own one's logits going on; one entry a step: whether they were equal."""
+def compare_each_step(engine, same) -> list[bool]:
+    """Have every step run both forwards, the own one's logits going on; one
+    entry a step: whether `same(own logits, the model's)`."""
     runner, equal = engine.runner, []
     own = runner.decoder
 
     def both(ids, positions, rows, batch):
         logits = own(ids, positions, rows, batch)
-        equal.append(torch.equal(logits, runner._model_logits(ids[None], rows, batch)))  # rewrites the same K/V
+        equal.append(same(logits, runner._model_logits(ids[None], rows, batch)))  # rewrites the step's K/V
         return logits
 
     runner.decoder = both
     return equal
 
 
+def within_rounding(a, b) -> bool:
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("settings", [{}, dict(pack_linears=False, fuse_projections=False),
                                       dict(attention="sdpa", preemption_mode="swap")], ids=["packed", "plain", "sdpa"])
+@pytest.mark.parametrize("fuse, same", [(False, torch.equal), (True, within_rounding)], ids=["exact", "fused"])
 @pytest.mark.parametrize("arch", [*TINY, "dynamic_rope"])
-def test_the_own_forward_gives_the_models_logits_bit_for_bit(arch, settings):
+def test_the_own_forward_gives_the_models_logits(arch, fuse, same, settings):
+    """Bit for bit; with the elementwise work fused, within float32 rounding."""
     model = dynamic_rope_llama() if arch == "dynamic_rope" else tiny_model(arch, "sdpa")
-    engine = engine_for(model, **settings)
-    assert engine.runner.decoder is not None
+    engine = engine_for(model, fuse_elementwise=fuse, **settings)
+    assert engine.runner.decoder is not None and engine.runner.decoder.fused == fuse
     assert (engine.runner.decoder._rotary is None) == (arch == "dynamic_rope")  # dynamic: made each step
-    equal = compare_each_step(engine)
+    equal = compare_each_step(engine, same)
     samples = SamplingParams(max_tokens=12, temperature=0.8, seed=5, n=2)
     run(engine, [(p, greedy()) for p in prompts()] + [(prompts([20])[0], samples)])
     assert len(equal) > 10 and all(equal)
@@ -53,11 +61,19 @@ def test_the_own_forward_gives_the_models_logits_bit_for_bit(arch, settings):
 def test_the_engine_equals_hf_generate_with_and_without_its_own_forward(arch):
     model = tiny_model(arch, "sdpa")
     reference = [[hf_greedy(model, p, 40)] for p in prompts()]
-    for own in (True, False):
-        engine = engine_for(model, own_forward=own)
+    for own, fuse in ((True, True), (True, False), (False, True)):
+        engine = engine_for(model, own_forward=own, fuse_elementwise=fuse)
         assert (engine.runner.decoder is not None) == own
         assert run(engine, [(p, greedy()) for p in prompts()]) == reference
         engine.close()
+
+
+def test_the_fused_forward_serves_float32_on_the_host_only():
+    """bfloat16 rows run the exact forward: the fused kernels take float32."""
+    model = tiny_model("llama", "sdpa").to(torch.bfloat16)
+    engine = engine_for(model)
+    assert engine.runner.decoder is not None and not engine.runner.decoder.fused
+    engine.close()
 
 
 def hooked_llama():

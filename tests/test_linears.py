@@ -12,10 +12,11 @@ from vattn import SamplingParams
 from vattn.engine.linears import Fused, Linear, Part, serve_linears
 
 ON, OFF = True, False
-SWITCHES = [dict(pack_linears=p, fuse_projections=f, own_forward=o) for p, f, o in [
-    (ON, ON, ON), (ON, OFF, ON), (OFF, ON, ON), (OFF, OFF, ON), (ON, ON, OFF), (OFF, OFF, OFF)]]
+SWITCHES = [dict(pack_linears=p, fuse_projections=f, own_forward=o, fuse_elementwise=e) for p, f, o, e in [
+    (ON, ON, ON, ON), (ON, ON, ON, OFF), (ON, OFF, ON, ON), (OFF, ON, ON, ON), (OFF, OFF, ON, OFF), (ON, ON, OFF, ON),
+    (OFF, OFF, OFF, OFF)]]
 SWITCH_IDS = [f"pack={int(s['pack_linears'])}-fuse={int(s['fuse_projections'])}-own={int(s['own_forward'])}"
-              for s in SWITCHES]
+              f"-elementwise={int(s['fuse_elementwise'])}" for s in SWITCHES]
 
 
 def snapshot(model):
@@ -154,6 +155,7 @@ def test_an_architecture_the_fusion_does_not_know_is_served_unfused():
     (dict(pack_linears="yes"), "pack_linears must be a bool"), (dict(fuse_projections=1), "fuse_projections"),
     (dict(compile="yes"), "compile must be a bool"), (dict(attention="fastest"), "fastest"),
     (dict(own_forward="yes"), "own_forward must be a bool"),
+    (dict(fuse_elementwise=None), "fuse_elementwise must be a bool"),
 ])
 def test_bad_settings_leave_the_model_untouched(settings, message):
     model = tiny_model("llama", "sdpa")

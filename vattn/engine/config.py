@@ -27,14 +27,17 @@ class EngineConfig:
     unchanged by `close()`.  `own_forward` runs the architectures
     `vattn.engine.forward` knows through the engine's own forward over the
     model's modules (transformers' arithmetic without its per-call
-    machinery); other models run their own forward.  `compile` runs the
+    machinery); other models run their own forward.  With `fuse_elementwise`
+    that forward runs its work between the GEMMs on float32 rows on the host
+    as one native call each (`vattn.engine.fused`: equal to transformers'
+    within float32 rounding, not bit for bit).  `compile` runs the
     model through `torch.compile` (one graph for every step, compiled by the
     first; inductor's freezing packs the weights, so `pack_linears`,
-    `fuse_projections` and `own_forward` do not apply).
+    `fuse_projections`, `own_forward` and `fuse_elementwise` do not apply).
     `tensor_parallel_size` ranks each hold a share of the model's heads and
     a cache of their own KV heads (`vattn.engine.parallel`; its linears and
-    forward stay transformers', so `pack_linears`, `fuse_projections` and
-    `own_forward` do not apply, nor does `compile`); `memory_budget` is then
+    forward stay transformers', so `pack_linears`, `fuse_projections`,
+    `own_forward` and `fuse_elementwise` do not apply, nor does `compile`); `memory_budget` is then
     each rank's."""
 
     max_num_seqs: int = 64  # the batch limits `vattn bench sweep` found fastest (benchmarks/README.md)
@@ -55,6 +58,7 @@ class EngineConfig:
     pack_linears: bool = True
     fuse_projections: bool = True
     own_forward: bool = True
+    fuse_elementwise: bool = True
     compile: bool = False
     tensor_parallel_size: int = 1
 
@@ -64,7 +68,7 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
         for name in ("enable_prefix_caching", "map_ahead", "deferred_reclamation", "pack_linears",
-                     "fuse_projections", "own_forward", "compile"):
+                     "fuse_projections", "own_forward", "fuse_elementwise", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.preemption_mode not in PREEMPTION_MODES:

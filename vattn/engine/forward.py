@@ -11,6 +11,12 @@ embedding's cos and sin are rows of a table made once (where they depend on
 the position alone); Q and K are rotated together; the final norm and the LM
 head run on the rows that sample only.
 
+With `fused` (float32 rows on the host) the work between the GEMMs runs as
+one native call each (`vattn.engine.fused`): RMSNorm with the residual add
+before it, SiLU(gate)·up, the rotary embedding in place.  The logits then
+equal transformers' within float32 rounding (the norm's sum and SiLU's exp
+are vattn's own), not bit for bit.
+
 `DecoderForward.of(model)` is None for a model it cannot run as transformers
 would (another architecture, a layer of another kind, hooks on a module):
 the engine then calls the model itself.
@@ -24,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vattn import attention
+from vattn.engine import fused
 from vattn.engine.linears import projections
 
 ARCHITECTURES = {  # model_type -> the class name prefix of its modules
@@ -45,12 +52,13 @@ class _Layer:
     down_proj: nn.Module
     scaling: float
     window: int
+    norms: tuple[nn.Module, nn.Module]  # input, post: their weights for the fused kernels
 
 
 class DecoderForward:
     """`forward(ids, positions, rows, batch)`: the logits of `rows`."""
 
-    def __init__(self, model: nn.Module, max_positions: int):
+    def __init__(self, model: nn.Module, max_positions: int, fuse_elementwise: bool = False):
         inner, config = model.model, model.config
         self.model, self.inner = model, inner
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -61,8 +69,12 @@ class DecoderForward:
                               projections(layer.self_attn, ("q_proj", "k_proj", "v_proj")),
                               layer.self_attn.o_proj, _rms_norm(layer.post_attention_layernorm, rows),
                               projections(layer.mlp, ("gate_proj", "up_proj")), layer.mlp.act_fn,
-                              layer.mlp.down_proj, layer.self_attn.scaling, _window(config, layer.self_attn))
+                              layer.mlp.down_proj, layer.self_attn.scaling, _window(config, layer.self_attn),
+                              (layer.input_layernorm, layer.post_attention_layernorm))
                        for i, layer in enumerate(inner.layers[:config.num_hidden_layers])]
+        norms = [inner.norm, *(norm for layer in self.layers for norm in layer.norms)]
+        self.fused = (fuse_elementwise and self.head_dim % 2 == 0 and self.head_dim <= fused.MAX_HEAD_DIM
+                      and all(fused.serves(w) for w in [inner.embed_tokens.weight, *(n.weight for n in norms)]))
         rope_type = inner.rotary_emb.rope_type
         self._rotary = None  # `_cos_sin` of every position below max_positions, or None: made each step
         if isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope":
@@ -71,9 +83,10 @@ class DecoderForward:
                 self._rotary = self._cos_sin(embed[:1], torch.arange(max_positions, device=embed.device))
 
     @classmethod
-    def of(cls, model: nn.Module, max_positions: int) -> "DecoderForward | None":
+    def of(cls, model: nn.Module, max_positions: int, fuse_elementwise: bool = False) -> "DecoderForward | None":
         """The forward for `model` over positions below `max_positions`, or
-        None where it would not be transformers' own."""
+        None where it would not be transformers' own; `fuse_elementwise`: the fused
+        kernels where they serve the model's dtype and device."""
         prefix = ARCHITECTURES.get(getattr(model.config, "model_type", None))
         inner = getattr(model, "model", None)
         if prefix is None or type(model).__name__ != f"{prefix}ForCausalLM" or inner is None:
@@ -91,7 +104,7 @@ class DecoderForward:
                 return None
         if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()) or _global_hooks():
             return None
-        return cls(model, max_positions)
+        return cls(model, max_positions, fuse_elementwise)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
                  batch: attention.StepBatch) -> torch.Tensor:
@@ -99,6 +112,8 @@ class DecoderForward:
         T = ids.shape[0]
         h = self.inner.embed_tokens(ids)
         cos, sin = self._cos_sin(h, positions) if self._rotary is None else (t[positions] for t in self._rotary)
+        if self.fused:
+            return self._fused(h, cos, sin, rows, batch)
         cos, sin = cos[:, None], sin[:, None]  # against [T, heads, D]
         H, G, D = self.heads, self.kv_heads, self.head_dim
         for layer in self.layers:
@@ -111,6 +126,26 @@ class DecoderForward:
             gate, up = gate_up.tensor_split(2, -1)
             h = h + layer.down_proj(layer.act(gate) * up)
         return self.model.lm_head(self.final_norm(h[rows]))
+
+    def _fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
+               batch: attention.StepBatch) -> torch.Tensor:
+        """`__call__` with the fused kernels: `h` is the residual stream, `x`
+        each sublayer's input (the norm of h) and then its output."""
+        T, H, G, D = h.shape[0], self.heads, self.kv_heads, self.head_dim
+        x = _fused_norm(h.clone(), self.layers[0].norms[0])
+        for layer, after in zip(self.layers, self.layers[1:] + [None]):
+            qkv = layer.qkv(x)
+            fused.rotate(qkv[:, :(H + G) * D], H + G, cos, sin)
+            qkv = qkv.view(T, H + 2 * G, D)
+            out = attention.attend(batch, layer.index, qkv[:, :H], qkv[:, H:H + G], qkv[:, H + G:], layer.scaling,
+                                   layer.window)
+            x = _fused_norm(layer.o_proj(out.reshape(T, -1)), layer.norms[1], h)
+            x = layer.down_proj(fused.silu_mul(layer.gate_up(x)))
+            if after is None:
+                h += x
+            else:
+                _fused_norm(x, after.norms[0], h)
+        return self.model.lm_head(_fused_norm(h[rows], self.inner.norm))
 
     def _cos_sin(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's rotary cos and sin `[T, D]` at `positions`, sin's first half negated (`_rotate`)."""
@@ -125,6 +160,11 @@ def _rms_norm(norm: nn.Module, rows: torch.dtype) -> Callable[[torch.Tensor], to
     if norm.weight.dtype == rows == torch.float32:
         return partial(F.rms_norm, normalized_shape=norm.weight.shape, weight=norm.weight, eps=norm.variance_epsilon)
     return norm
+
+
+def _fused_norm(x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' RMSNorm `norm` of x (of `residual + x`, kept in `residual`), in place by the fused kernel."""
+    return fused.rms_norm(x, norm.weight, norm.variance_epsilon, residual)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -23,14 +23,15 @@ from vattn.kv.slots import SlotCache
 
 class ModelRunner:
     def __init__(self, model, cache: SlotCache, kernel: str | None = None, pack: bool = True, fuse: bool = True,
-                 rows: int = 32, compile: bool = False, own_forward: bool = True):
+                 rows: int = 32, compile: bool = False, own_forward: bool = True, fuse_elementwise: bool = True):
         """`kernel`: the attention kernel by name (`registry.KERNELS`); None:
         the first that serves the cache's device, dtype, kind and head dim.
         `pack`, `fuse`: `serve_linears`'s, for GEMMs of about `rows` rows.
         `compile`: run the model through `torch.compile` instead, one graph
         for every step (its token and row counts are unbacked sizes), with
         inductor's freezing, which packs the weights itself.  `own_forward`:
-        the engine's own forward where it applies (not compiled)."""
+        the engine's own forward where it applies (not compiled), with
+        `fuse_elementwise` its elementwise work fused (`vattn.engine.fused`)."""
         self.kernel = registry.pick_for(cache, kernel)
         attention.register()
         self.model, self.cache = model.eval(), cache
@@ -40,7 +41,8 @@ class ModelRunner:
         self.compiled = compile
         self.per_request_decodes = 0  # layers whose decode took one kernel call per request (`StepBatch`)
         self._forward = torch.compile(model, dynamic=True) if compile else model
-        self.decoder = DecoderForward.of(model, cache.config.max_seq_len) if own_forward and not compile else None
+        self.decoder = (DecoderForward.of(model, cache.config.max_seq_len, fuse_elementwise)
+                        if own_forward and not compile else None)
 
     def batch(self, inputs: StepInputs) -> attention.StepBatch:
         """What the forward holds, for its kernels."""

@@ -1,0 +1,229 @@
+/*
+ * The engine forward's elementwise work between its GEMMs, one pass each,
+ * over float32 rows (each row contiguous, rows `stride` floats apart):
+ *
+ *   rms_norm     x <- w * (h * rsqrt(mean(h^2) + eps)), h = x, or with a
+ *                residual h = residual + x, stored back into the residual;
+ *   silu_mul     out <- silu(gate) * up, gate and up the halves of a row;
+ *   rotate       rows of heads <- x * cos + [x2, x1] * signed_sin in place
+ *                (rotary embedding, sin's first half negated).
+ *
+ * Each is one call where transformers' modules take two to eight operators
+ * (a cost paid again after every GEMM, whose weights push the operators'
+ * code and data out of the caches).  rotate rounds as transformers does
+ * (each product, then their sum: no fused multiply-add), so it is exact;
+ * rms_norm's sum and silu's exp are vattn's own, equal to within a few
+ * units in the last place.  Rows are shared among OpenMP threads once there
+ * are enough of them; the GIL is released.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+
+#include "ops.h"
+
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#define INLINE static inline __attribute__((always_inline))
+enum { W = 16, PARALLEL_FLOATS = 1 << 16 };  /* below that many floats, one thread */
+
+typedef float vec __attribute__((vector_size(4 * W)));
+typedef int32_t veci __attribute__((vector_size(4 * W)));
+typedef float vec_u __attribute__((vector_size(4 * W), aligned(4)));
+
+INLINE vec load(const float *p) { return *(const vec_u *)p; }
+INLINE void put(float *p, vec x) { *(vec_u *)p = x; }
+
+/* e^x (Cephes' expf, as attention.c's) */
+INLINE vec vexp(vec x) {
+    const vec lo = (vec){} - 87.33654f, hi = (vec){} + 88.37626f, magic = (vec){} + 12582912.0f;
+    x = (vec)((((veci)x) & ~(x < lo)) | ((veci)lo & (x < lo)));
+    x = (vec)((((veci)x) & ~(x > hi)) | ((veci)hi & (x > hi)));
+    vec t = x * 1.44269504088896341f + magic;
+    vec n = t - magic;
+    veci e = ((veci)t - (veci)magic + 127) << 23;
+    vec r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vec y = (vec){} + 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r * r + r + 1.0f;
+    return y * (vec)e;
+}
+
+/* ------------------------------------------------------------ the rows */
+
+INLINE void norm_row(float *x, float *residual, const float *w, int64_t n, float eps) {
+    vec acc = {};
+    int64_t d = 0;
+    for (; d + W <= n; d += W) {
+        vec h = load(x + d);
+        if (residual) {
+            h += load(residual + d);
+            put(residual + d, h);
+        }
+        acc += h * h;
+    }
+    float ss = 0;
+    for (int i = 0; i < W; i++) ss += acc[i];
+    for (; d < n; d++) {
+        float h = x[d] + (residual ? residual[d] : 0.0f);
+        if (residual) residual[d] = h;
+        ss += h * h;
+    }
+    const float r = 1.0f / sqrtf(ss / (float)n + eps);
+    const float *h = residual ? residual : x;
+    for (d = 0; d + W <= n; d += W) put(x + d, load(w + d) * (load(h + d) * r));
+    for (; d < n; d++) x[d] = w[d] * (h[d] * r);
+}
+
+INLINE void silu_mul_row(float *out, const float *gate_up, int64_t n) {
+    int64_t d = 0;
+    for (; d + W <= n; d += W) {
+        vec g = load(gate_up + d);
+        put(out + d, g / (1.0f + vexp(-g)) * load(gate_up + n + d));
+    }
+    for (; d < n; d++) out[d] = gate_up[d] / (1.0f + expf(-gate_up[d])) * gate_up[n + d];
+}
+
+/* each product rounds, then their sum (no fused multiply-add), as transformers' operators do */
+INLINE void rotate_row(float *x, const float *cos, const float *sin,
+                                                                   int64_t heads, int64_t dim) {
+    const int64_t half = dim / 2;
+    for (int64_t h = 0; h < heads; h++, x += dim) {
+        float first[128];  /* x1, read before the second half overwrites it */
+        for (int64_t d = 0; d < half; d++) first[d] = x[d];
+        for (int64_t d = 0; d < half; d++) {
+            float a = x[d] * cos[d], b = x[half + d] * sin[d];
+            x[d] = a + b;
+        }
+        for (int64_t d = 0; d < half; d++) {
+            float a = x[half + d] * cos[half + d], b = first[d] * sin[half + d];
+            x[half + d] = a + b;
+        }
+    }
+}
+
+/* Rows [lo, hi) of each op, compiled for AVX-512, AVX2 and the baseline (chosen when loaded). */
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+
+typedef struct {
+    float *x, *residual;
+    const float *w, *cos, *sin;
+    int64_t stride, residual_stride, cos_stride, sin_stride, cols, heads;
+    float eps;
+} Args;
+
+CLONES static void norm_rows(const Args *a, int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; i++)
+        norm_row(a->x + i * a->stride, a->residual ? a->residual + i * a->residual_stride : NULL, a->w, a->cols,
+                 a->eps);
+}
+
+CLONES static void silu_mul_rows(const Args *a, int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; i++) silu_mul_row(a->x + i * a->stride, a->residual + i * a->residual_stride, a->cols);
+}
+
+CLONES __attribute__((optimize("fp-contract=off"))) static void rotate_rows(const Args *a, int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; i++)
+        rotate_row(a->x + i * a->stride, a->cos + i * a->cos_stride, a->sin + i * a->sin_stride, a->heads,
+                   a->cols / a->heads);
+}
+
+/* fn over rows [0, n), shared among `threads` OpenMP threads when they hold `floats` or more */
+static void for_rows(void (*fn)(const Args *, int64_t, int64_t), const Args *a, int64_t n, int64_t floats,
+                     int threads) {
+    if (floats < PARALLEL_FLOATS || threads < 2) {
+        fn(a, 0, n);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        fn(a, n * t / nt, n * (t + 1) / nt);
+    }
+}
+
+/* ------------------------------------------------------------ the calls */
+
+/* (address, rows, floats a row, row stride) of a float32 matrix, from Python */
+typedef struct {
+    unsigned long long ptr;
+    long long rows, cols, stride;
+} Rows;
+
+static int parse_rows(PyObject *arg, const char *name, Rows *r) {
+    if (!PyArg_ParseTuple(arg, "KLLL", &r->ptr, &r->rows, &r->cols, &r->stride)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected (address, rows, columns, row stride)", name);
+        return -1;
+    }
+    if (r->rows < 0 || r->cols < 0 || r->stride < r->cols) {
+        PyErr_Format(PyExc_ValueError, "%s: %lld rows of %lld floats %lld apart", name, r->rows, r->cols, r->stride);
+        return -1;
+    }
+    return 0;
+}
+
+#define FAIL(...) (PyErr_Format(PyExc_ValueError, __VA_ARGS__), NULL)
+#define FLOATS(r) ((float *)(uintptr_t)(r).ptr)
+
+PyObject *rms_norm(PyObject *mod, PyObject *args) {
+    PyObject *xa, *ra, *wa;
+    double eps;
+    int threads;
+    Rows x, res = {0}, w;
+    if (!PyArg_ParseTuple(args, "OOOdi", &xa, &ra, &wa, &eps, &threads)) return NULL;
+    if (parse_rows(xa, "x", &x) || (ra != Py_None && parse_rows(ra, "residual", &res)) || parse_rows(wa, "weight", &w))
+        return NULL;
+    if (w.rows != 1 || w.cols != x.cols) return FAIL("weight is %lld x %lld; x's rows have %lld", w.rows, w.cols, x.cols);
+    if (ra != Py_None && (res.rows != x.rows || res.cols != x.cols))
+        return FAIL("residual is %lld x %lld; x is %lld x %lld", res.rows, res.cols, x.rows, x.cols);
+    Args a = {.x = FLOATS(x), .residual = ra != Py_None ? FLOATS(res) : NULL, .w = FLOATS(w), .stride = x.stride,
+              .residual_stride = res.stride, .cols = x.cols, .eps = (float)eps};
+    Py_BEGIN_ALLOW_THREADS
+    for_rows(norm_rows, &a, x.rows, x.rows * x.cols, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+PyObject *silu_mul(PyObject *mod, PyObject *args) {
+    PyObject *oa, *ga;
+    int threads;
+    Rows out, gu;
+    if (!PyArg_ParseTuple(args, "OOi", &oa, &ga, &threads)) return NULL;
+    if (parse_rows(oa, "out", &out) || parse_rows(ga, "gate_up", &gu)) return NULL;
+    if (gu.rows != out.rows || gu.cols != 2 * out.cols)
+        return FAIL("gate_up is %lld x %lld; out is %lld x %lld (half as wide)", gu.rows, gu.cols, out.rows, out.cols);
+    Args a = {.x = FLOATS(out), .residual = FLOATS(gu), .stride = out.stride, .residual_stride = gu.stride,
+              .cols = out.cols};
+    Py_BEGIN_ALLOW_THREADS
+    for_rows(silu_mul_rows, &a, out.rows, gu.rows * gu.cols, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+PyObject *rotate(PyObject *mod, PyObject *args) {
+    PyObject *xa, *ca, *sa;
+    long long heads;
+    int threads;
+    Rows x, cos, sin;
+    if (!PyArg_ParseTuple(args, "OLOOi", &xa, &heads, &ca, &sa, &threads)) return NULL;
+    if (parse_rows(xa, "x", &x) || parse_rows(ca, "cos", &cos) || parse_rows(sa, "sin", &sin)) return NULL;
+    if (heads < 1 || x.cols % heads) return FAIL("%lld floats a row do not split into %lld heads", x.cols, heads);
+    const long long dim = x.cols / heads;
+    if (dim % 2 || dim > 256) return FAIL("head dim %lld: rotate takes even ones up to 256", dim);
+    if (cos.rows != x.rows || sin.rows != x.rows || cos.cols != dim || sin.cols != dim)
+        return FAIL("cos and sin are %lld x %lld and %lld x %lld; x has %lld rows of heads of %lld", cos.rows,
+                    cos.cols, sin.rows, sin.cols, x.rows, dim);
+    Args a = {.x = FLOATS(x), .cos = FLOATS(cos), .sin = FLOATS(sin), .stride = x.stride, .cos_stride = cos.stride,
+              .sin_stride = sin.stride, .cols = x.cols, .heads = heads};
+    Py_BEGIN_ALLOW_THREADS
+    for_rows(rotate_rows, &a, x.rows, x.rows * x.cols, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
