@@ -1,6 +1,6 @@
 /*
  * The engine forward's elementwise work between its GEMMs, one pass each,
- * over float32 rows (each row contiguous, rows `stride` floats apart):
+ * over float32 rows (each row contiguous, the rows any stride apart):
  *
  *   rms_norm     x <- w * (h * rsqrt(mean(h^2) + eps)), h = x, or with a
  *                residual h = residual + x, stored back into the residual;
@@ -113,25 +113,25 @@ INLINE void rotate_row(float *x, const float *cos, const float *sin,
 #define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
 typedef struct {
-    float *x, *residual;
+    float *x;        /* the rows an op writes */
+    float *y;        /* its other rows: rms_norm's residual, silu_mul's gate_up */
     const float *w, *cos, *sin;
-    int64_t stride, residual_stride, cos_stride, sin_stride, cols, heads;
+    int64_t x_stride, y_stride, cos_stride, sin_stride, cols, heads;
     float eps;
 } Args;
 
 CLONES static void norm_rows(const Args *a, int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; i++)
-        norm_row(a->x + i * a->stride, a->residual ? a->residual + i * a->residual_stride : NULL, a->w, a->cols,
-                 a->eps);
+        norm_row(a->x + i * a->x_stride, a->y ? a->y + i * a->y_stride : NULL, a->w, a->cols, a->eps);
 }
 
 CLONES static void silu_mul_rows(const Args *a, int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; i++) silu_mul_row(a->x + i * a->stride, a->residual + i * a->residual_stride, a->cols);
+    for (int64_t i = lo; i < hi; i++) silu_mul_row(a->x + i * a->x_stride, a->y + i * a->y_stride, a->cols);
 }
 
 CLONES __attribute__((optimize("fp-contract=off"))) static void rotate_rows(const Args *a, int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; i++)
-        rotate_row(a->x + i * a->stride, a->cos + i * a->cos_stride, a->sin + i * a->sin_stride, a->heads,
+        rotate_row(a->x + i * a->x_stride, a->cos + i * a->cos_stride, a->sin + i * a->sin_stride, a->heads,
                    a->cols / a->heads);
 }
 
@@ -183,8 +183,8 @@ PyObject *rms_norm(PyObject *mod, PyObject *args) {
     if (w.rows != 1 || w.cols != x.cols) return FAIL("weight is %lld x %lld; x's rows have %lld", w.rows, w.cols, x.cols);
     if (ra != Py_None && (res.rows != x.rows || res.cols != x.cols))
         return FAIL("residual is %lld x %lld; x is %lld x %lld", res.rows, res.cols, x.rows, x.cols);
-    Args a = {.x = FLOATS(x), .residual = ra != Py_None ? FLOATS(res) : NULL, .w = FLOATS(w), .stride = x.stride,
-              .residual_stride = res.stride, .cols = x.cols, .eps = (float)eps};
+    Args a = {.x = FLOATS(x), .y = ra != Py_None ? FLOATS(res) : NULL, .w = FLOATS(w), .x_stride = x.stride,
+              .y_stride = res.stride, .cols = x.cols, .eps = (float)eps};
     Py_BEGIN_ALLOW_THREADS
     for_rows(norm_rows, &a, x.rows, x.rows * x.cols, threads);
     Py_END_ALLOW_THREADS
@@ -199,7 +199,7 @@ PyObject *silu_mul(PyObject *mod, PyObject *args) {
     if (parse_rows(oa, "out", &out) || parse_rows(ga, "gate_up", &gu)) return NULL;
     if (gu.rows != out.rows || gu.cols != 2 * out.cols)
         return FAIL("gate_up is %lld x %lld; out is %lld x %lld (half as wide)", gu.rows, gu.cols, out.rows, out.cols);
-    Args a = {.x = FLOATS(out), .residual = FLOATS(gu), .stride = out.stride, .residual_stride = gu.stride,
+    Args a = {.x = FLOATS(out), .y = FLOATS(gu), .x_stride = out.stride, .y_stride = gu.stride,
               .cols = out.cols};
     Py_BEGIN_ALLOW_THREADS
     for_rows(silu_mul_rows, &a, out.rows, gu.rows * gu.cols, threads);
@@ -220,7 +220,7 @@ PyObject *rotate(PyObject *mod, PyObject *args) {
     if (cos.rows != x.rows || sin.rows != x.rows || cos.cols != dim || sin.cols != dim)
         return FAIL("cos and sin are %lld x %lld and %lld x %lld; x has %lld rows of heads of %lld", cos.rows,
                     cos.cols, sin.rows, sin.cols, x.rows, dim);
-    Args a = {.x = FLOATS(x), .cos = FLOATS(cos), .sin = FLOATS(sin), .stride = x.stride, .cos_stride = cos.stride,
+    Args a = {.x = FLOATS(x), .cos = FLOATS(cos), .sin = FLOATS(sin), .x_stride = x.stride, .cos_stride = cos.stride,
               .sin_stride = sin.stride, .cols = x.cols, .heads = heads};
     Py_BEGIN_ALLOW_THREADS
     for_rows(rotate_rows, &a, x.rows, x.rows * x.cols, threads);
