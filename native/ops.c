@@ -180,7 +180,8 @@ PyObject *rms_norm(PyObject *mod, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOOdi", &xa, &ra, &wa, &eps, &threads)) return NULL;
     if (parse_rows(xa, "x", &x) || (ra != Py_None && parse_rows(ra, "residual", &res)) || parse_rows(wa, "weight", &w))
         return NULL;
-    if (w.rows != 1 || w.cols != x.cols) return FAIL("weight is %lld x %lld; x's rows have %lld", w.rows, w.cols, x.cols);
+    if (w.rows != 1 || w.cols != x.cols)
+        return FAIL("weight is %lld x %lld; x's rows have %lld", w.rows, w.cols, x.cols);
     if (ra != Py_None && (res.rows != x.rows || res.cols != x.cols))
         return FAIL("residual is %lld x %lld; x is %lld x %lld", res.rows, res.cols, x.rows, x.cols);
     Args a = {.x = FLOATS(x), .y = ra != Py_None ? FLOATS(res) : NULL, .w = FLOATS(w), .x_stride = x.stride,
