@@ -35,6 +35,7 @@
 #include <string.h>
 
 #include "attention.h"
+#include "vector_math.h"
 
 /* the vector helpers are all inlined: no vector crosses a call */
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -43,14 +44,6 @@ enum { BLOCK = 32, TILE = 32, MAX_HEAD_DIM = 256, MIN_SPLIT = 128, SERIAL_ROWS =
 enum { ACROSS = TILE / 2 };  /* tiles of more queries than this take them in lanes (probs_across) */
 enum { F32 = 0, BF16 = 1 };
 enum { REQ_SLOT, REQ_START, REQ_LENGTH, REQ_Q_FIRST, REQ_NUM_Q, REQ_FIELDS };
-
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef float v8f_u __attribute__((vector_size(32), aligned(1)));
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-#define INLINE static inline __attribute__((always_inline))
 
 /* ------------------------------------------------------------ vector helpers */
 
@@ -76,31 +69,6 @@ INLINE void store(void *row, int64_t d, float f, int bf16) {
 INLINE void prefetch_row(const char *row, int64_t nbytes) {
     for (int64_t at = 0; at < nbytes; at += 64) __builtin_prefetch(row + at, 0, 2);
 }
-
-/* blend (lanes of a where mask is set, else of b) and e^x (Cephes' expf: Cody-Waite reduction,
- * degree-6 polynomial; ~1 ulp), for a float vector type F and its int vector type I. */
-#define VECTOR_MATH(F, I, SUFFIX)                                                                       \
-    INLINE F blend##SUFFIX(I mask, F a, F b) { return (F)(((I)a & mask) | ((I)b & ~mask)); }         \
-    INLINE F vexp##SUFFIX(F x) {                                                                     \
-        const F lo = (F){} - 87.33654f, hi = (F){} + 88.37626f, magic = (F){} + 12582912.0f;           \
-        x = blend##SUFFIX(x < lo, lo, blend##SUFFIX(x > hi, hi, x));                                 \
-        F t = x * 1.44269504088896341f + magic; /* round to nearest, as the float's low bits */       \
-        F n = t - magic;                                                                             \
-        I e = ((I)t - (I)magic + 127) << 23;                                                         \
-        F r = x - n * 0.693359375f + n * 2.12194440e-4f;                                             \
-        F y = (F){} + 1.9875691500e-4f;                                                              \
-        y = y * r + 1.3981999507e-3f;                                                                \
-        y = y * r + 8.3334519073e-3f;                                                                \
-        y = y * r + 4.1665795894e-2f;                                                                \
-        y = y * r + 1.6666665459e-1f;                                                                \
-        y = y * r + 5.0000001201e-1f;                                                                \
-        y = y * r * r + r + 1.0f;                                                                    \
-        return y * (F)e;                                                                             \
-    }
-VECTOR_MATH(v8f, v8i, 8)
-VECTOR_MATH(v16f, v16i, 16)
-#define blend(mask, a, b) _Generic((a), v8f: blend8, v16f: blend16)(mask, a, b)
-#define vexp(x) _Generic((x), v8f: vexp8, v16f: vexp16)(x)
 
 /* Lane i of the result: the sum of x[i]'s lanes. */
 INLINE v8f reduce8(const v8f x[8]) {

@@ -24,37 +24,17 @@
 #include <stdint.h>
 
 #include "ops.h"
+#include "vector_math.h"
 
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-#define INLINE static inline __attribute__((always_inline))
 enum { W = 16, PARALLEL_FLOATS = 1 << 16 };  /* below that many floats, one thread */
 
-typedef float vec __attribute__((vector_size(4 * W)));
-typedef int32_t veci __attribute__((vector_size(4 * W)));
+typedef v16f vec;
 typedef float vec_u __attribute__((vector_size(4 * W), aligned(4)));
 
 INLINE vec load(const float *p) { return *(const vec_u *)p; }
 INLINE void put(float *p, vec x) { *(vec_u *)p = x; }
-
-/* e^x (Cephes' expf, as attention.c's) */
-INLINE vec vexp(vec x) {
-    const vec lo = (vec){} - 87.33654f, hi = (vec){} + 88.37626f, magic = (vec){} + 12582912.0f;
-    x = (vec)((((veci)x) & ~(x < lo)) | ((veci)lo & (x < lo)));
-    x = (vec)((((veci)x) & ~(x > hi)) | ((veci)hi & (x > hi)));
-    vec t = x * 1.44269504088896341f + magic;
-    vec n = t - magic;
-    veci e = ((veci)t - (veci)magic + 127) << 23;
-    vec r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vec y = (vec){} + 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r * r + r + 1.0f;
-    return y * (vec)e;
-}
 
 /* ------------------------------------------------------------ the rows */
 
@@ -92,8 +72,7 @@ INLINE void silu_mul_row(float *out, const float *gate_up, int64_t n) {
 }
 
 /* each product rounds, then their sum (no fused multiply-add), as transformers' operators do */
-INLINE void rotate_row(float *x, const float *cos, const float *sin,
-                                                                   int64_t heads, int64_t dim) {
+INLINE void rotate_row(float *x, const float *cos, const float *sin, int64_t heads, int64_t dim) {
     const int64_t half = dim / 2;
     for (int64_t h = 0; h < heads; h++, x += dim) {
         float first[128];  /* x1, read before the second half overwrites it */

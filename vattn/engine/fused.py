@@ -46,7 +46,7 @@ def rotate(x: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Ten
 def _rows(name: str, t: torch.Tensor) -> tuple[int, int, int, int]:
     """(address, rows, columns, row stride) of float32 rows on the host, each
     contiguous (a vector is one row)."""
-    if (not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or not t.is_cpu or t.dim() not in (1, 2)
+    if (not isinstance(t, torch.Tensor) or not serves(t) or t.dim() not in (1, 2)
             or (t.stride(-1) != 1 and t.shape[-1] > 1)):
         raise ValueError(f"{name} must be float32 rows on the host, each contiguous; got "
                          f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))} "
