@@ -130,13 +130,7 @@ static void for_rows(void (*fn)(const Args *, int64_t, int64_t), const Args *a, 
 
 /* ------------------------------------------------------------ the calls */
 
-/* (address, rows, floats a row, row stride) of a float32 matrix, from Python */
-typedef struct {
-    unsigned long long ptr;
-    long long rows, cols, stride;
-} Rows;
-
-static int parse_rows(PyObject *arg, const char *name, Rows *r) {
+int parse_rows(PyObject *arg, const char *name, Rows *r) {
     if (!PyArg_ParseTuple(arg, "KLLL", &r->ptr, &r->rows, &r->cols, &r->stride)) {
         PyErr_Format(PyExc_TypeError, "%s: expected (address, rows, columns, row stride)", name);
         return -1;

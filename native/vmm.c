@@ -468,12 +468,16 @@ static PyMethodDef methods[] = {
     {"silu_mul", silu_mul, METH_VARARGS, "silu_mul(out, gate_up, threads): out <- silu(gate) * up."},
     {"rotate", rotate, METH_VARARGS,
      "rotate(x, heads, cos, sin, threads): the rotary embedding of x's heads in place, sin's first half negated."},
+    {"linear", linear, METH_VARARGS,
+     "linear(out, x, panels, bias, threads): out <- x W^T + bias (None: no bias), W packed in panels of "
+     "LINEAR_PANEL columns."},
+    {"linear_serves", linear_serves, METH_NOARGS, "Whether this CPU runs linear() (it needs AVX-512)."},
     {NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "vattn._native",
                                     "Host virtual-memory primitives (mmap + memfd), DLPack capsules over raw memory, "
-                                    "CPU attention over strided K/V, and the engine forward's fused elementwise operators.",
+                                    "CPU attention over strided K/V, the engine forward's fused elementwise operators and its float32 GEMM.",
                                     -1, methods};
 
 PyMODINIT_FUNC PyInit__native(void) {
@@ -486,7 +490,8 @@ PyMODINIT_FUNC PyInit__native(void) {
                                               PyExc_OSError, NULL);
     if (PyModule_AddObjectRef(m, "MapLimitError", MapLimitError) < 0 ||
         PyModule_AddObjectRef(m, "Reservation", (PyObject *)&ReservationType) < 0 ||
-        PyModule_AddObjectRef(m, "PhysicalFile", (PyObject *)&PhysicalFileType) < 0) {
+        PyModule_AddObjectRef(m, "PhysicalFile", (PyObject *)&PhysicalFileType) < 0 ||
+        PyModule_AddIntConstant(m, "LINEAR_PANEL", LINEAR_PANEL) < 0) {
         Py_DECREF(m);
         return NULL;
     }

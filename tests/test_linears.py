@@ -8,15 +8,17 @@ from tiny_models import SMALL, TINY, tiny_model
 from torch import nn
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from vattn import SamplingParams
+from vattn import SamplingParams, _native
+from vattn.engine import gemm
 from vattn.engine.linears import Fused, Linear, Part, serve_linears
 
 ON, OFF = True, False
-SWITCHES = [dict(pack_linears=p, fuse_projections=f, own_forward=o, fuse_elementwise=e) for p, f, o, e in [
-    (ON, ON, ON, ON), (ON, ON, ON, OFF), (ON, OFF, ON, ON), (OFF, ON, ON, ON), (OFF, OFF, ON, OFF), (ON, ON, OFF, ON),
-    (OFF, OFF, OFF, OFF)]]
-SWITCH_IDS = [f"pack={int(s['pack_linears'])}-fuse={int(s['fuse_projections'])}-own={int(s['own_forward'])}"
-              f"-elementwise={int(s['fuse_elementwise'])}" for s in SWITCHES]
+SWITCHES = [dict(pack_linears=p, native_gemm=n, fuse_projections=f, own_forward=o, fuse_elementwise=e)
+            for p, n, f, o, e in [
+                (ON, ON, ON, ON, ON), (ON, OFF, ON, ON, ON), (ON, ON, ON, ON, OFF), (ON, ON, OFF, ON, ON),
+                (OFF, ON, ON, ON, ON), (OFF, ON, OFF, ON, OFF), (ON, ON, ON, OFF, ON), (OFF, ON, OFF, OFF, OFF)]]
+SWITCH_IDS = [f"pack={int(s['pack_linears'])}-native={int(s['native_gemm'])}-fuse={int(s['fuse_projections'])}"
+              f"-own={int(s['own_forward'])}-elementwise={int(s['fuse_elementwise'])}" for s in SWITCHES]
 
 
 def snapshot(model):
@@ -39,18 +41,21 @@ def unknown_architecture():
 
 
 @pytest.mark.parametrize("arch", list(TINY))
-@pytest.mark.parametrize("pack, fuse", [(True, True), (True, False), (False, True)])
-def test_served_linears_compute_the_same_and_restore_bit_for_bit(arch, pack, fuse):
+@pytest.mark.parametrize("pack, fuse, native", [(True, True, True), (True, True, False), (True, False, True),
+                                                (False, True, True)])
+def test_served_linears_compute_the_same_and_restore_bit_for_bit(arch, pack, fuse, native):
     model = tiny_model(arch, "sdpa")
     ids = torch.tensor([prompts([30])[0]])
     with torch.inference_mode():
         expected = model(ids).logits
     before, modules = snapshot(model), [(n, type(m)) for n, m in model.named_modules()]
-    served = serve_linears(model, pack, fuse)
+    served = serve_linears(model, pack, fuse, native=native)
     layers = SMALL["num_hidden_layers"]
     # per layer: Q/K/V and gate/up as one GEMM each when fused; packed, the others too (2 or 7) and the LM head
     assert served.num_gemms == 2 * layers * fuse + ((2 if fuse else 7) * layers + 1) * pack
     assert served.num_packed == (served.num_gemms if pack else 0)
+    packing = None if not pack else "native" if native and _native.linear_serves() else "onednn"
+    assert {m.packing for m in served.served} <= {packing}
     attn = model.model.layers[0].self_attn
     assert isinstance(attn.q_proj, Part if fuse else Linear) and isinstance(attn.o_proj, Linear if pack else nn.Linear)
     # the originals' storage is let go (tiny models do not tie the LM head)
@@ -156,6 +161,7 @@ def test_an_architecture_the_fusion_does_not_know_is_served_unfused():
     (dict(compile="yes"), "compile must be a bool"), (dict(attention="fastest"), "fastest"),
     (dict(own_forward="yes"), "own_forward must be a bool"),
     (dict(fuse_elementwise=None), "fuse_elementwise must be a bool"),
+    (dict(native_gemm="onednn"), "native_gemm must be a bool"),
 ])
 def test_bad_settings_leave_the_model_untouched(settings, message):
     model = tiny_model("llama", "sdpa")
@@ -166,21 +172,24 @@ def test_bad_settings_leave_the_model_untouched(settings, message):
     assert model.config._attn_implementation == "sdpa"
 
 
-def test_a_failure_part_way_leaves_the_model_as_it_was(monkeypatch):
+@pytest.mark.parametrize("native", [True, False])
+def test_a_failure_part_way_leaves_the_model_as_it_was(monkeypatch, native):
     model = tiny_model("qwen2", "sdpa")
     before, modules = snapshot(model), [(n, type(m)) for n, m in model.named_modules()]
     calls = []
-    reorder = torch.ops.mkldnn._reorder_linear_weight
+    owner, name = (gemm, "pack") if native and _native.linear_serves() else (torch.ops.mkldnn, "_reorder_linear_weight")
+    pack = getattr(owner, name)
 
-    def failing(weight, rows):
+    def failing(weight, *rows):
         calls.append(1)
         if len(calls) == 5:
             raise RuntimeError("no memory for the packed weight")
-        return reorder(weight, rows)
+        return pack(weight, *rows)
 
-    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", failing)
+    monkeypatch.setattr(owner, name, failing)
     with pytest.raises(RuntimeError, match="packed weight"):
-        serve_linears(model)
+        serve_linears(model, native=native)
+    assert len(calls) == 5
     assert_unchanged(model, before, modules)
 
 

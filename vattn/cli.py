@@ -109,6 +109,10 @@ def bench(args) -> None:
 
         kernels.run(args.json, args.plot, batches=args.batches or [1, 8, 32], contexts=args.contexts,
                     dtypes=args.dtypes, repeats=args.repeats, device=args.device)
+    elif args.what == "linears":
+        from vattn.bench import linears
+
+        linears.run(args.json, rows=args.rows, repeats=args.repeats)
     elif args.what == "gpu":
         from vattn.bench import gpu
 
@@ -170,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model's heads are split over")
     p.set_defaults(func=demo)
     p = commands.add_parser("bench", help="benchmarks")
-    p.add_argument("what", choices=["vmm", "hf", "engine", "sweep", "soak", "memory", "kernels", "e2e", "gpu"])
+    p.add_argument("what", choices=["vmm", "hf", "engine", "sweep", "soak", "memory", "kernels", "linears", "e2e",
+                                    "gpu"])
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--plot", metavar="DIR", help="memory, kernels, e2e: also write PNG charts there")
     p.add_argument("--repeats", type=int, default=15, help="runs per measurement (median reported)")
@@ -179,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, nargs="+", default=[512, 2048], help="hf: tokens to generate")
     p.add_argument("--batches", type=int, nargs="+",
                    help="hf, kernels: batch sizes (hf: 1 8; kernels: 1 8 32, the largest also with mixed lengths)")
+    p.add_argument("--rows", type=int, nargs="+", help="linears: GEMM rows (1 8 32 48 64 128 512)")
     p.add_argument("--attn", choices=["sdpa", "vattn_sdpa", "vattn_native", "eager"], default="sdpa",
                    help="hf: attention implementation for every cache")
     p.add_argument("--num-prompts", type=int, help="engine (64), e2e (sharegpt 48, long 32): requests")

@@ -5,6 +5,8 @@ import time
 
 import torch
 
+from vattn.engine import gemm
+
 
 def _text_config(config):
     c = config.get_text_config()
@@ -37,12 +39,17 @@ def workload_flops(config, requests: list[dict]) -> int:
 
 def gemm_peak_gflops(repeats: int = 10) -> float:
     """The best GFLOP/s of float32 GEMMs on every thread torch has: plain
-    `mm` and oneDNN's pre-packed linear, over a few large shapes."""
+    `mm`, oneDNN's pre-packed linear and vattn's own GEMM where it runs
+    (`vattn.engine.gemm`), over a few large shapes."""
     best = 0.0
     for m, n, k in ((512, 1536, 576), (1024, 1024, 1024), (256, 49152, 576)):
         x, w = torch.randn(m, k), torch.randn(n, k)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
-        for f in (lambda: x @ w.T, lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")):
+        calls = [lambda: x @ w.T, lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")]
+        if gemm.serves(w):
+            panels = gemm.pack(w)
+            calls.append(lambda: gemm.linear(x, panels, n))
+        for f in calls:
             f()
             times = []
             for _ in range(repeats):

@@ -21,10 +21,11 @@ class EngineConfig:
     paged baseline (`vattn.PagedKVCache`, blocks of `block_size` tokens).
     `attention` names the attention kernel (`vattn.attention.registry.KERNELS`:
     "native", "flash", "sdpa"); None takes the first that serves the cache.
-    `pack_linears` pre-packs the model's linear weights for oneDNN on the CPU
-    and `fuse_projections` runs Q/K/V and gate/up as one GEMM each where the
-    architecture is known (`vattn.engine.linears`); the model is given back
-    unchanged by `close()`.  `own_forward` runs the architectures
+    `pack_linears` pre-packs the model's linear weights on the CPU (float32
+    ones for vattn's own GEMM, `vattn.engine.gemm`, where the CPU has AVX-512
+    and `native_gemm`; the others for oneDNN) and `fuse_projections` runs
+    Q/K/V and gate/up as one GEMM each where the architecture is known
+    (`vattn.engine.linears`); the model is given back unchanged by `close()`.  `own_forward` runs the architectures
     `vattn.engine.forward` knows through the engine's own forward over the
     model's modules (transformers' arithmetic without its per-call
     machinery); other models run their own forward.  With `fuse_elementwise`
@@ -59,6 +60,7 @@ class EngineConfig:
     fuse_projections: bool = True
     own_forward: bool = True
     fuse_elementwise: bool = True
+    native_gemm: bool = True
     compile: bool = False
     tensor_parallel_size: int = 1
 
@@ -68,7 +70,7 @@ class EngineConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
         for name in ("enable_prefix_caching", "map_ahead", "deferred_reclamation", "pack_linears",
-                     "fuse_projections", "own_forward", "fuse_elementwise", "compile"):
+                     "fuse_projections", "own_forward", "fuse_elementwise", "native_gemm", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.preemption_mode not in PREEMPTION_MODES:

@@ -25,25 +25,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor:
     """`x [T, n]` <- `weight · x / rms(x)`, in place; with `residual`, first
     `residual += x` and x becomes the norm of that sum.  Returns x."""
-    _native.rms_norm(_rows("x", x), None if residual is None else _rows("residual", residual),
-                     _rows("weight", weight), eps, torch.get_num_threads())
+    _native.rms_norm(matrix("x", x), None if residual is None else matrix("residual", residual),
+                     matrix("weight", weight), eps, torch.get_num_threads())
     return x
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) · up` `[T, n]` of `gate_up [T, 2n]` (gate first)."""
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-    _native.silu_mul(_rows("out", out), _rows("gate_up", gate_up), torch.get_num_threads())
+    _native.silu_mul(matrix("out", out), matrix("gate_up", gate_up), torch.get_num_threads())
     return out
 
 
 def rotate(x: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
     """The rotary embedding of `x [T, heads · D]`'s heads in place,
     `x·cos + [x2, x1]·signed_sin` with `cos`, `signed_sin [T, D]`."""
-    _native.rotate(_rows("x", x), heads, _rows("cos", cos), _rows("sin", signed_sin), torch.get_num_threads())
+    _native.rotate(matrix("x", x), heads, matrix("cos", cos), matrix("sin", signed_sin), torch.get_num_threads())
 
 
-def _rows(name: str, t: torch.Tensor) -> tuple[int, int, int, int]:
+def matrix(name: str, t: torch.Tensor) -> tuple[int, int, int, int]:
     """(address, rows, columns, row stride) of float32 rows on the host, each
     contiguous (a vector is one row)."""
     if (not isinstance(t, torch.Tensor) or not serves(t) or t.dim() not in (1, 2)

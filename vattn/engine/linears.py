@@ -1,12 +1,14 @@
 """The served model's linear layers, made faster on the CPU, and given back.
 
-`serve_linears(model, pack, fuse, rows)` replaces the model's `nn.Linear`s in
-place; `ServedLinears.restore()` puts every original module back, its weight
-bit for bit.
+`serve_linears(model, pack, fuse, rows, native)` replaces the model's
+`nn.Linear`s in place; `ServedLinears.restore()` puts every original module
+back, its weight bit for bit.
 
-- Pack: a weight is reordered once into oneDNN's blocked layout (torch's own
-  mkldnn linear, whose pre-packed form inductor's freezing path uses), so a
-  GEMM no longer reorders it on every call.  CPU float32 and bfloat16 only.
+- Pack: a weight is reordered once for the GEMM that runs it, so no GEMM
+  reorders it on every call: float32 into the panels of vattn's own GEMM
+  (`vattn.engine.gemm`) where the CPU has AVX-512 and `native` is set; else
+  (and bfloat16) into oneDNN's blocked layout (torch's own mkldnn linear,
+  whose pre-packed form inductor's freezing path uses).  CPU only.
 - Fuse: in architectures known to project one input several times in a row
   (`FUSED`: Q, K and V; gate and up), those linears become one GEMM, and each
   original name holds a module that returns its columns of that GEMM's output.
@@ -23,40 +25,59 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from vattn.engine import gemm
+
 # model_type -> (the parent module's last name, the linears it calls on one input), in call order
 _LLAMA_LIKE = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
 FUSED = {"llama": _LLAMA_LIKE, "mistral": _LLAMA_LIKE, "qwen2": _LLAMA_LIKE}
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+def packing(weight: torch.Tensor, native: bool = True) -> str | None:
+    """How `weight` is packed: "native" (vattn's GEMM, where `native`), "onednn", or None (it is not)."""
+    if native and gemm.serves(weight):
+        return "native"
+    if weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available():
+        return "onednn"
+    return None
 
 
 class Linear(nn.Module):
-    """`x W^T + b` over a weight packed for oneDNN (or kept as given)."""
+    """`x W^T + b` over a weight packed (`packing`: "native" for vattn's
+    GEMM, "onednn") or kept as given (None)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, rows: int):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, rows: int, native: bool = True):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.packed = pack and can_pack(weight)
-        self._weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows) if self.packed else weight
-        self._bias = bias
+        self.packing = packing(weight, native) if pack else None
+        if self.packing == "native":
+            weight = gemm.pack(weight)
+        elif self.packing == "onednn":
+            weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        self._weight, self._bias = weight, bias
+
+    @property
+    def packed(self) -> bool:
+        return self.packing is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
+        if self.packing == "native":
+            return gemm.linear(x, self._weight, self.out_features, self._bias)
+        if self.packing == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self._weight, self._bias, "none", [], "")
         return F.linear(x, self._weight, self._bias)
 
     def dense(self) -> torch.Tensor:
-        return self._weight.to_dense() if self.packed else self._weight
+        if self.packing == "native":
+            return gemm.unpack(self._weight, self.out_features)
+        return self._weight.to_dense() if self.packing == "onednn" else self._weight
 
     @property
     def nbytes(self) -> int:
         return self._weight.numel() * self._weight.element_size()
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed={self.packed}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packing={self.packing}"
 
 
 class Fused(nn.Module):
@@ -66,10 +87,10 @@ class Fused(nn.Module):
     torch counts versions: not in inference mode), or asks twice, and let go
     once every part has read it."""
 
-    def __init__(self, linears: list[nn.Linear], pack: bool, rows: int):
+    def __init__(self, linears: list[nn.Linear], pack: bool, rows: int, native: bool = True):
         super().__init__()
         bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
-        self.gemm = Linear(torch.cat([m.weight for m in linears]), bias, pack, rows)
+        self.gemm = Linear(torch.cat([m.weight for m in linears]), bias, pack, rows, native)
         ends = list(itertools.accumulate(m.out_features for m in linears))
         self.columns = [slice(end - m.out_features, end) for end, m in zip(ends, linears)]
         self._input, self._version, self._output, self._unread = None, -1, None, set()
@@ -128,29 +149,31 @@ class ServedLinears:
         self.replaced, self.released, self.served, self.held_twice = [], [], [], 0
 
 
-def serve_linears(model: nn.Module, pack: bool = True, fuse: bool = True, rows: int = 32) -> ServedLinears:
-    """Pack (`pack`) and fuse (`fuse`) the model's linears in place; `rows`:
-    the GEMM rows oneDNN's layout is chosen for.  Nothing is changed when
-    neither applies; a failure part way leaves the model as it was."""
+def serve_linears(model: nn.Module, pack: bool = True, fuse: bool = True, rows: int = 32,
+                  native: bool = True) -> ServedLinears:
+    """Pack (`pack`; with `native`, for vattn's GEMM where it serves) and fuse
+    (`fuse`) the model's linears in place; `rows`: the GEMM rows oneDNN's
+    layout is chosen for.  Nothing is changed when neither applies; a failure
+    part way leaves the model as it was."""
     done = ServedLinears()
     if not (pack or fuse):
         return done
     groups = _fusable(model) if fuse else []
     grouped = {id(m) for _, _, linears in groups for m in linears}
     singles = [(parent, name, m) for parent, name, m in _linears(model)
-               if pack and id(m) not in grouped and can_pack(m.weight)]
+               if pack and id(m) not in grouped and packing(m.weight, native)]
     owners = defaultdict(set)  # parameter -> the modules that hold it
     for _, module in model.named_modules(remove_duplicate=False):
         for p in module.parameters(recurse=False):
             owners[id(p)].add(id(module))
     try:
         for parent, names, linears in groups:
-            group = Fused(linears, pack, rows)
+            group = Fused(linears, pack, rows, native)
             done.served.append(group.gemm)
             for i, name in enumerate(names):
                 _replace(done, owners, parent, name, Part(group, i), group.gemm, group.columns[i])
         for parent, name, m in singles:
-            served = Linear(m.weight, m.bias, pack, rows)
+            served = Linear(m.weight, m.bias, pack, rows, native)
             done.served.append(served)
             _replace(done, owners, parent, name, served, served, slice(None))
     except BaseException:

@@ -56,7 +56,7 @@ class LLMEngine:
         sharded = group is not None  # DTensor weights: the linears and the forward stay transformers'
         self.runner = ModelRunner(model, self.cache, config.attention, config.pack_linears and not sharded,
                                   config.fuse_projections and not sharded, config.max_num_seqs, config.compile,
-                                  config.own_forward and not sharded, config.fuse_elementwise)
+                                  config.own_forward and not sharded, config.fuse_elementwise, config.native_gemm)
         self.model, self.tokenizer = model, tokenizer
         self.worker = MapWorker() if config.map_ahead else None
         self.requests: dict[str, Request] = {}

@@ -23,10 +23,12 @@ from vattn.kv.slots import SlotCache
 
 class ModelRunner:
     def __init__(self, model, cache: SlotCache, kernel: str | None = None, pack: bool = True, fuse: bool = True,
-                 rows: int = 32, compile: bool = False, own_forward: bool = True, fuse_elementwise: bool = True):
+                 rows: int = 32, compile: bool = False, own_forward: bool = True, fuse_elementwise: bool = True,
+                 native_gemm: bool = True):
         """`kernel`: the attention kernel by name (`registry.KERNELS`); None:
         the first that serves the cache's device, dtype, kind and head dim.
-        `pack`, `fuse`: `serve_linears`'s, for GEMMs of about `rows` rows.
+        `pack`, `fuse`, `native_gemm`: `serve_linears`'s (pack, fuse,
+        native), for GEMMs of about `rows` rows.
         `compile`: run the model through `torch.compile` instead, one graph
         for every step (its token and row counts are unbacked sizes), with
         inductor's freezing, which packs the weights itself.  `own_forward`:
@@ -35,7 +37,7 @@ class ModelRunner:
         self.kernel = registry.pick_for(cache, kernel)
         attention.register()
         self.model, self.cache = model.eval(), cache
-        self.linears = serve_linears(model, pack and not compile, fuse and not compile, rows)
+        self.linears = serve_linears(model, pack and not compile, fuse and not compile, rows, native_gemm)
         self._model_attention = model.config._attn_implementation  # given back by close()
         model.set_attn_implementation(attention.NAME)
         self.compiled = compile

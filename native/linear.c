@@ -1,0 +1,137 @@
+/*
+ * The engine's float32 GEMM on the host, y = x W^T (+ b), over a weight
+ * packed once into panels of PANEL output columns: panel p holds, for each
+ * of the K inputs in turn, the weights of columns p*PANEL.. side by side
+ * (zeros past the last column).  A block of up to MAX_ROWS rows of x times
+ * one panel is 24 AVX-512 accumulators, each step over K one broadcast of an
+ * x value against three vectors of weights; the panel, read from memory for
+ * the first block, stays in L2 for the others.  The threads share the
+ * panels, so each weight is read once a call at any number of rows.
+ *
+ * On this kind of CPU oneDNN's packed inner product streams weights slower
+ * at the few rows of a decode step (benchmarks/README.md), which is why the
+ * engine carries its own.  AVX-512 only: elsewhere the engine packs for
+ * oneDNN instead (`linear_serves()` says which).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+#include "ops.h"
+#include "vector_math.h"
+
+enum {
+    VECTORS = 3,           /* vectors of 16 floats across a panel */
+    PANEL = 16 * VECTORS,  /* output columns a panel */
+    MAX_ROWS = 8,          /* rows of x a block: MAX_ROWS * VECTORS accumulators */
+    CHUNK = 192,           /* rows of x the threads take through every panel at once */
+    PARALLEL_MACS = 1 << 18,
+};
+
+const int LINEAR_PANEL = PANEL;
+
+#define AVX512 __attribute__((target("avx512f,fma")))
+
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+
+typedef struct {
+    const float *x, *panels, *bias;
+    float *y;
+    int64_t rows, n, k, x_stride, y_stride;
+} Gemm;
+
+/* y rows [0, R) columns [col, col + cols) from panel `w` and x rows [0, R): R a constant per copy */
+#define BLOCK(R)                                                                                            \
+    AVX512 static void block##R(const Gemm *g, const float *x, const float *w, float *y, int64_t col,       \
+                                int64_t cols) {                                                             \
+        v16f acc[R][VECTORS];                                                                               \
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++)                                                 \
+            _Pragma("GCC unroll 3") for (int j = 0; j < VECTORS; j++) acc[i][j] = (v16f){};                 \
+        for (int64_t d = 0; d < g->k; d++, w += PANEL) {                                                    \
+            v16f wv[VECTORS];                                                                               \
+            _Pragma("GCC unroll 3") for (int j = 0; j < VECTORS; j++) wv[j] = *(const v16f *)(w + 16 * j); \
+            _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                           \
+                const float xv = x[i * g->x_stride + d];                                                    \
+                _Pragma("GCC unroll 3") for (int j = 0; j < VECTORS; j++) acc[i][j] += xv * wv[j];          \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int i = 0; i < R; i++) {                                                                       \
+            float *row = y + i * g->y_stride;                                                               \
+            if (cols == PANEL) {                                                                            \
+                _Pragma("GCC unroll 3") for (int j = 0; j < VECTORS; j++) *(v16u *)(row + 16 * j) =         \
+                    g->bias ? acc[i][j] + *(const v16u *)(g->bias + col + 16 * j) : acc[i][j];              \
+            } else { /* the last panel's columns */                                                         \
+                float out[PANEL];                                                                           \
+                for (int j = 0; j < VECTORS; j++) *(v16u *)(out + 16 * j) = acc[i][j];                      \
+                for (int64_t c = 0; c < cols; c++) row[c] = out[c] + (g->bias ? g->bias[col + c] : 0.0f);   \
+            }                                                                                               \
+        }                                                                                                   \
+    }
+BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6) BLOCK(7) BLOCK(8)
+
+typedef void (*block_fn)(const Gemm *, const float *, const float *, float *, int64_t, int64_t);
+static const block_fn BLOCKS[MAX_ROWS + 1] = {NULL, block1, block2, block3, block4, block5, block6, block7, block8};
+
+/* panels [p0, p1) for every row, CHUNK rows at a time, each chunk in blocks of equal size */
+static void panels(const Gemm *g, int64_t p0, int64_t p1) {
+    for (int64_t c = 0; c < g->rows; c += CHUNK) {
+        const int64_t rows = g->rows - c < CHUNK ? g->rows - c : CHUNK;
+        const int64_t blocks = (rows + MAX_ROWS - 1) / MAX_ROWS, size = (rows + blocks - 1) / blocks;
+        for (int64_t p = p0; p < p1; p++) {
+            const int64_t col = p * PANEL, cols = g->n - col < PANEL ? g->n - col : PANEL;
+            for (int64_t r = c; r < c + rows; r += size) {
+                const int64_t R = c + rows - r < size ? c + rows - r : size;
+                BLOCKS[R](g, g->x + r * g->x_stride, g->panels + p * g->k * PANEL, g->y + r * g->y_stride + col,
+                          col, cols);
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------ the call */
+
+#define FAIL(...) (PyErr_Format(PyExc_ValueError, __VA_ARGS__), NULL)
+#define FLOATS(r) ((float *)(uintptr_t)(r).ptr)
+
+PyObject *linear_serves(PyObject *mod, PyObject *noargs) {
+    __builtin_cpu_init();
+    return PyBool_FromLong(__builtin_cpu_supports("avx512f"));
+}
+
+PyObject *linear(PyObject *mod, PyObject *args) {
+    PyObject *ya, *xa, *pa, *ba;
+    int threads;
+    Rows y, x, w, b = {0};
+    if (!PyArg_ParseTuple(args, "OOOOi", &ya, &xa, &pa, &ba, &threads)) return NULL;
+    if (parse_rows(ya, "out", &y) || parse_rows(xa, "x", &x) || parse_rows(pa, "panels", &w) ||
+        (ba != Py_None && parse_rows(ba, "bias", &b)))
+        return NULL;
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512f")) return FAIL("linear runs on CPUs with AVX-512; this one has none");
+    const int64_t n = y.cols, k = x.cols, num_panels = (n + PANEL - 1) / PANEL;
+    if (y.rows != x.rows) return FAIL("out has %lld rows; x has %lld", y.rows, x.rows);
+    if (w.cols != PANEL || w.stride != PANEL || w.rows != num_panels * k)
+        return FAIL("panels are %lld x %lld (row stride %lld); %lld outputs of %lld inputs take %lld x %d", w.rows,
+                    w.cols, w.stride, n, k, num_panels * k, PANEL);
+    if (ba != Py_None && (b.rows != 1 || b.cols != n)) return FAIL("bias is %lld x %lld; out has %lld columns",
+                                                                 b.rows, b.cols, n);
+    Gemm g = {.x = FLOATS(x), .panels = FLOATS(w), .bias = ba != Py_None ? FLOATS(b) : NULL, .y = FLOATS(y),
+              .rows = x.rows, .n = n, .k = k, .x_stride = x.stride, .y_stride = y.stride};
+    Py_BEGIN_ALLOW_THREADS
+    if (threads < 2 || num_panels < 2 || x.rows * n * k < PARALLEL_MACS) {
+        panels(&g, 0, num_panels);
+    } else {
+#pragma omp parallel num_threads(threads)
+        {
+            int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+            panels(&g, num_panels * t / nt, num_panels * (t + 1) / nt);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}

@@ -1,0 +1,130 @@
+"""`vattn bench linears`: one forward's worth of SmolLM2-135M's GEMMs (each
+layer's fused Q/K/V, O, fused gate/up and down, as the engine serves them,
+then the tied LM head), at the rows of decode steps and of prefill chunks,
+by each GEMM a CPU engine could run:
+
+- `vattn`: vattn's own (`vattn.engine.gemm`, the engine's default for
+  float32 where the CPU has AVX-512), weights packed in panels;
+- `onednn`: torch's oneDNN linear over weights pre-packed for it (what the
+  engine runs elsewhere, and inductor's freezing packs);
+- `torch`: plain `F.linear` over the weights as they are (MKL's sgemm);
+- `vllm`: vLLM's CPU linear, `onednn_mm` over the handler its CPU backend
+  makes for each weight (`dispatch_cpu_unquantized_gemm`), measured by the
+  peer script `vllm_linears.py` in the peer environment (`peers.py`).
+
+Weights are seeded random float32 of the real shapes (speed does not depend
+on their values), about 540 MB in all, so a pass reads every weight from
+memory once, as a forward does.  Figures are medians of `repeats` passes
+after a warm-up pass, vattn's, oneDNN's and torch's taking turns (vLLM's
+after them, in its own process); GFLOP/s count 2·rows·n·k per GEMM.
+"""
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from vattn.bench import peers
+from vattn.bench.shapes import SMOLLM2_135M_CONFIG
+from vattn.engine import gemm
+from vattn.report import console, print_table, write_json
+
+ROWS = (1, 8, 32, 48, 64, 128, 512)
+TOLERANCE = 1e-4  # vLLM's output against float64, weights of 0.02 and inputs of 1
+
+
+def shapes(config: dict = SMOLLM2_135M_CONFIG) -> tuple[list[tuple[int, int]], int, tuple[int, int]]:
+    """(a layer's GEMMs as (out, in), the number of layers, the LM head's)."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = hidden // config["num_attention_heads"]
+    qkv = (config["num_attention_heads"] + 2 * config["num_key_value_heads"]) * head_dim
+    layer = [(qkv, hidden), (hidden, config["num_attention_heads"] * head_dim), (2 * inter, hidden), (hidden, inter)]
+    return layer, config["num_hidden_layers"], (config["vocab_size"], hidden)
+
+
+def weights(seed: int = 0) -> list[torch.Tensor]:
+    """Every GEMM's weight of a forward, in call order."""
+    layer, layers, head = shapes()
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, k, generator=g) * 0.02 for n, k in layer * layers + [head]]
+
+
+def systems(ws: list[torch.Tensor]) -> dict:
+    """name -> a pass over every weight at `x`'s rows (x: in-features -> rows)."""
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in ws]
+    out = {"onednn": lambda xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                                 for w, p in zip(ws, onednn)],
+           "torch": lambda xs: [F.linear(xs[w.shape[1]], w) for w in ws]}
+    if gemm.serves(ws[0]):
+        panels = [gemm.pack(w) for w in ws]
+        out = {"vattn": lambda xs: [gemm.linear(xs[w.shape[1]], p, w.shape[0]) for w, p in zip(ws, panels)]} | out
+    return out
+
+
+def median_ms(passes: dict, rows: int, repeats: int) -> dict[str, float]:
+    widths = {k for _, k in shapes()[0]}
+    xs = {k: torch.randn(rows, k) for k in widths}
+    samples = {name: [] for name in passes}
+    for run in passes.values():
+        run(xs)
+    for _ in range(repeats):
+        for name, run in passes.items():
+            start = time.perf_counter()
+            run(xs)
+            samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def vllm(rows: list[int], repeats: int) -> dict | None:
+    """vLLM's pass at each row count (`{"vllm", "torch", "ms": {rows: ms}}`), or None without its environment."""
+    if peers.vllm_python() is None:
+        console.print(f"vllm not measured: {peers.HOW}")
+        return None
+    layer, layers, head = shapes()
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = Path(tmp) / "spec.json", Path(tmp) / "ms.json"
+        spec.write_text(json.dumps({"gemms": layer * layers + [head], "rows": rows, "repeats": repeats,
+                                    "threads": torch.get_num_threads()}))
+        proc = peers.popen("vllm_linears", str(spec), str(out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+        log = proc.communicate()[0]
+        if proc.returncode:
+            raise RuntimeError(f"vllm_linears.py failed (exit {proc.returncode}):\n{log[-4000:]}")
+        result = json.loads(out.read_text())
+    if not result["max_abs_err"] <= TOLERANCE:
+        raise RuntimeError(f"vLLM's linear is {result['max_abs_err']:.3g} off F.linear (tolerance {TOLERANCE})")
+    return result
+
+
+def run(json_path: str | None, rows: list[int] | None = None, repeats: int = 5) -> dict:
+    rows = list(rows or ROWS)
+    ws = weights()
+    flops = {m: 2 * m * sum(w.numel() for w in ws) for m in rows}
+    passes = systems(ws)
+    console.print(f"linears: {len(ws)} GEMMs a pass ({sum(w.numel() for w in ws) * 4 / 1e6:.0f} MB of float32 "
+                  f"weights), {torch.get_num_threads()} threads, medians of {repeats}")
+    ms = {m: median_ms(passes, m, repeats) for m in rows}
+    del passes
+    peer = vllm(rows, repeats)
+    if peer is not None:
+        for m in rows:
+            ms[m]["vllm"] = peer["ms"][str(m)]
+    names = list(ms[rows[0]])
+    table = [[m, *(f"{ms[m][n]:.1f} ({flops[m] / ms[m][n] / 1e6:.0f})" for n in names),
+              *([f"{ms[m]['vllm'] / ms[m]['vattn']:.2f}×"] if "vattn" in names and "vllm" in names else [])]
+             for m in rows]
+    columns = ["rows", *(f"{n} ms (GFLOP/s)" for n in names)]
+    if "vattn" in names and "vllm" in names:
+        columns.append("vattn vs vllm")
+    print_table("one forward's GEMMs, SmolLM2-135M float32", columns, table)
+    result = {"threads": torch.get_num_threads(), "repeats": repeats, "gemms": len(ws),
+              "weight_bytes": sum(w.numel() for w in ws) * 4, "rows": rows,
+              "ms": {str(m): ms[m] for m in rows},
+              "gflops": {str(m): {n: flops[m] / ms[m][n] / 1e6 for n in ms[m]} for m in rows},
+              "versions": {"torch": torch.__version__} | ({"vllm": peer["vllm"]} if peer else {})}
+    write_json(json_path, result)
+    return result

@@ -1,0 +1,48 @@
+"""The engine's own float32 GEMM on the host (`native/linear.c`): `x W^T + b`
+over a weight packed once into panels of `PANEL` output columns
+(`[panels, in_features, PANEL]`, zeros past the last column).
+
+It runs where the CPU has AVX-512 (`serves`); at the few rows of a decode
+step it streams the weights faster than oneDNN's packed inner product, and
+at a prefill chunk's hundreds of rows it keeps pace (`vattn bench linears`).
+"""
+import torch
+
+from vattn import _native
+from vattn.engine.fused import matrix
+
+PANEL = _native.LINEAR_PANEL
+
+
+def serves(weight: torch.Tensor) -> bool:
+    """Whether `weight` can be packed for this GEMM (float32 on a host with AVX-512)."""
+    return weight.dtype == torch.float32 and weight.is_cpu and weight.dim() == 2 and _native.linear_serves()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight [out, in]` as panels `[ceil(out / PANEL), in, PANEL]`."""
+    n, k = weight.shape
+    whole = n // PANEL
+    panels = weight.new_zeros(-(-n // PANEL), k, PANEL)
+    panels[:whole] = weight[:whole * PANEL].view(whole, PANEL, k).transpose(1, 2)
+    if n % PANEL:
+        panels[whole, :, :n % PANEL] = weight[whole * PANEL:].t()
+    return panels
+
+
+def unpack(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The `[out_features, in]` weight `pack` made `panels` of, bit for bit."""
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:out_features].clone()
+
+
+def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """`x [..., in] W^T + bias` of the weight packed in `panels`."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] and rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = rows.new_empty(rows.shape[0], out_features)
+    _native.linear(matrix("out", out), matrix("x", rows), matrix("panels", panels.view(-1, PANEL)),
+                   None if bias is None else matrix("bias", bias), torch.get_num_threads())
+    return out.view(*x.shape[:-1], out_features)
+
