@@ -8,10 +8,11 @@
  * the first block, stays in L2 for the others.  The threads share the
  * panels, so each weight is read once a call at any number of rows.
  *
- * On this kind of CPU oneDNN's packed inner product streams weights slower
- * at the few rows of a decode step (benchmarks/README.md), which is why the
- * engine carries its own.  AVX-512 only: elsewhere the engine packs for
- * oneDNN instead (`linear_serves()` says which).
+ * Loads are unaligned, so any address serves.  On the CPUs measured
+ * (benchmarks/README.md, `vattn bench linears`) oneDNN's packed inner product
+ * and vLLM's linear stream the weights slower at the few rows of a decode
+ * step, which is why the engine carries its own.  AVX-512 only: elsewhere the
+ * engine packs for oneDNN instead (`linear_serves()` says which).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -30,7 +31,7 @@ enum {
     PANEL = 16 * VECTORS,  /* output columns a panel */
     MAX_ROWS = 8,          /* rows of x a block: MAX_ROWS * VECTORS accumulators */
     CHUNK = 192,           /* rows of x the threads take through every panel at once */
-    PARALLEL_MACS = 1 << 18,
+    PARALLEL_MACS = 1 << 18,  /* below that many multiply-adds a call, one thread */
 };
 
 const int LINEAR_PANEL = PANEL;
@@ -54,7 +55,7 @@ typedef struct {
             _Pragma("GCC unroll 3") for (int j = 0; j < VECTORS; j++) acc[i][j] = (v16f){};                 \
         for (int64_t d = 0; d < g->k; d++, w += PANEL) {                                                    \
             v16f wv[VECTORS];                                                                               \
-            _Pragma("GCC unroll 3") for (int j = 0; j < VECTORS; j++) wv[j] = *(const v16f *)(w + 16 * j); \
+            _Pragma("GCC unroll 3") for (int j = 0; j < VECTORS; j++) wv[j] = *(const v16u *)(w + 16 * j); \
             _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                           \
                 const float xv = x[i * g->x_stride + d];                                                    \
                 _Pragma("GCC unroll 3") for (int j = 0; j < VECTORS; j++) acc[i][j] += xv * wv[j];          \

@@ -47,6 +47,14 @@ def test_rows_any_stride_apart_and_leading_dimensions():
                                atol=1e-4)
 
 
+def test_panels_and_rows_at_any_address():
+    w, x = torch.randn(96, 64), torch.randn(5, 65)[:, 1:]  # rows 4 bytes past a 64-byte boundary
+    panels = gemm.pack(w)
+    shifted = torch.empty(panels.numel() + 1)[1:].view(panels.shape)
+    shifted.copy_(panels)
+    torch.testing.assert_close(gemm.linear(x, shifted, 96), reference(x, w, None), rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("out_features", [1, 47, 48, 49, 3072])
 def test_unpack_gives_the_weight_back_bit_for_bit(out_features):
     w = torch.randn(out_features, 33)
