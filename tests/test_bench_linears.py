@@ -32,7 +32,7 @@ def test_vllm_off_f_linear_fails_loudly(monkeypatch):
     need_peer()
     monkeypatch.setattr(linears, "TOLERANCE", 0.0)  # any rounding at all is then too much
     with pytest.raises(RuntimeError, match="off F.linear"):
-        linears.vllm([2], repeats=1)
+        linears.vllm([2], repeats=1, gemms=[(96, 64)])
 
 
 def test_run_without_the_peer_says_how_and_times_the_rest(monkeypatch, capsys):

@@ -54,7 +54,7 @@ def weights(seed: int = 0) -> list[torch.Tensor]:
 
 
 def systems(ws: list[torch.Tensor]) -> dict:
-    """name -> a pass over every weight at `x`'s rows (x: in-features -> rows)."""
+    """name -> a pass: every GEMM once, each over `xs[its in_features]`."""
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in ws]
     out = {"onednn": lambda xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
                                  for w, p in zip(ws, onednn)],
@@ -66,6 +66,7 @@ def systems(ws: list[torch.Tensor]) -> dict:
 
 
 def median_ms(passes: dict, rows: int, repeats: int) -> dict[str, float]:
+    """Median ms of each pass over inputs of `rows` rows, the passes taking turns."""
     widths = {k for _, k in shapes()[0]}
     xs = {k: torch.randn(rows, k) for k in widths}
     samples = {name: [] for name in passes}
@@ -79,15 +80,16 @@ def median_ms(passes: dict, rows: int, repeats: int) -> dict[str, float]:
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def vllm(rows: list[int], repeats: int) -> dict | None:
-    """vLLM's pass at each row count (`{"vllm", "torch", "ms": {rows: ms}}`), or None without its environment."""
+def vllm(rows: list[int], repeats: int, gemms: list[tuple[int, int]] | None = None) -> dict | None:
+    """vLLM's pass over `gemms` ((out, in) each; default: a forward's) at each
+    row count (`{"vllm", "torch", "ms": {rows: ms}}`), or None without its environment."""
     if peers.vllm_python() is None:
         console.print(f"vllm not measured: {peers.HOW}")
         return None
     layer, layers, head = shapes()
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "ms.json"
-        spec.write_text(json.dumps({"gemms": layer * layers + [head], "rows": rows, "repeats": repeats,
+        spec.write_text(json.dumps({"gemms": gemms or layer * layers + [head], "rows": rows, "repeats": repeats,
                                     "threads": torch.get_num_threads()}))
         proc = peers.popen("vllm_linears", str(spec), str(out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True)
