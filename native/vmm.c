@@ -477,7 +477,8 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "vattn._native",
                                     "Host virtual-memory primitives (mmap + memfd), DLPack capsules over raw memory, "
-                                    "CPU attention over strided K/V, the engine forward's fused elementwise operators and its float32 GEMM.",
+                                    "CPU attention over strided K/V, the engine forward's fused elementwise operators "
+                                    "and its float32 GEMM.",
                                     -1, methods};
 
 PyMODINIT_FUNC PyInit__native(void) {
