@@ -21,6 +21,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <malloc.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -410,6 +411,34 @@ static PyObject *punch_pages(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* madvise(MADV_PAGEOUT) over the whole pages in [addr, addr + nbytes): the
+ * resident ones no other process maps are reclaimed (a mapped file's clean
+ * pages are read again if touched; no data is lost).  Returns the bytes
+ * advised: 0 where the kernel does not take the advice. */
+static PyObject *page_out(PyObject *mod, PyObject *args) {
+    unsigned long long addr;
+    Py_ssize_t nbytes;
+    if (!PyArg_ParseTuple(args, "Kn", &addr, &nbytes)) return NULL;
+    if (nbytes < 0) return PyErr_Format(PyExc_ValueError, "nbytes %zd is negative", nbytes);
+    const uintptr_t page = os_page(), lo = (addr + page - 1) / page * page, hi = (addr + nbytes) / page * page;
+    if (hi <= lo) return PyLong_FromLong(0);
+#ifdef MADV_PAGEOUT
+    if (!madvise((void *)lo, hi - lo, MADV_PAGEOUT)) return PyLong_FromSize_t(hi - lo);
+    if (errno != EINVAL) return raise_errno("madvise (page out)", errno);
+#endif
+    return PyLong_FromLong(0);
+}
+
+/* malloc_trim(0) where the C library is glibc: the heap's free memory back to
+ * the OS.  True if some was given back. */
+static PyObject *trim_heap(PyObject *mod, PyObject *unused) {
+#ifdef __GLIBC__
+    return PyBool_FromLong(malloc_trim(0));
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 static double now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -452,6 +481,9 @@ static PyMethodDef methods[] = {
      "unmap_pages(reservation, page_size, virt_offsets): put the reservation's backing back."},
     {"punch_pages", punch_pages, METH_VARARGS,
      "punch_pages(file, page_size, file_offsets): return the pages' memory to the OS (they read as zeros)."},
+    {"page_out", page_out, METH_VARARGS,
+     "page_out(addr, nbytes): reclaim the resident whole pages of the range (madvise MADV_PAGEOUT); the bytes advised."},
+    {"trim_heap", trim_heap, METH_NOARGS, "trim_heap(): the heap's free memory back to the OS (glibc's malloc_trim)."},
     {"raw_map_loop", raw_map_loop, METH_VARARGS,
      "raw_map_loop(reservation, file, page_size, virt_offsets, file_offsets) -> (map_ns, unmap_ns)."},
     {"os_page_size", os_page_size, METH_NOARGS, "The OS page size in bytes."},

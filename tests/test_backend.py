@@ -228,3 +228,33 @@ def test_there_is_one_backend_per_device():
     assert get_backend("cpu") is get_backend(torch.device("cpu")) is VirtualKVCache(CacheConfig(1, 1, 8)).backend
     with pytest.raises(ValueError, match="no VMM backend for device 'meta'"):
         get_backend("meta")
+
+
+def resident_kb(path) -> int:
+    """Resident kB of this process's mappings of the file at `path`."""
+    kb, mapped = 0, None
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header: range, perms, offset, dev, inode, path
+            mapped = fields[5] if len(fields) > 5 else None
+        elif fields[0] == "Rss:" and mapped == str(path):
+            kb += int(fields[1])
+    return kb
+
+
+def test_pages_of_a_mapped_file_are_given_back_and_read_again(tmp_path):
+    from vattn.backends.host import page_out_file_pages
+
+    path = tmp_path / "weights"
+    values = torch.arange(1 << 20, dtype=torch.float32)
+    values.numpy().tofile(path)
+    os.sync()  # clean pages: a file's dirty pages are written back before they can go
+    mapped = torch.from_file(str(path), shared=False, size=values.numel())
+    assert torch.equal(mapped, values) and resident_kb(path) >= 4000  # every page read in
+    anonymous = values.clone()
+    assert page_out_file_pages([anonymous]) == 0  # anonymous memory is left alone
+    assert page_out_file_pages([mapped]) == mapped.numel() * 4  # page-aligned from the file's start
+    assert resident_kb(path) < 1000
+    assert torch.equal(mapped, values) and torch.equal(anonymous, values)  # read again from the file
+    with pytest.raises(ValueError, match="negative"):
+        _native.page_out(mapped.data_ptr(), -1)

@@ -309,6 +309,14 @@ def test_close_gives_the_model_its_attention_back():
     assert model.config._attn_implementation == "eager"
 
 
+def test_close_gives_back_the_memory_idle_slots_hold():
+    engine = engine_for(tiny_model("llama", "sdpa"))
+    run(engine, [(p, greedy(8)) for p in prompts([40, 50])])
+    assert engine.cache.stats().committed_bytes > 0  # finished requests' slots keep their pages, idle
+    engine.close()
+    assert engine.cache.stats().committed_bytes == 0
+
+
 def test_memory_budget_too_small_for_a_request():
     engine = engine_for(tiny_model("llama", "sdpa"), memory_budget=GROUP)
     with pytest.raises(ValueError, match="memory budget"):

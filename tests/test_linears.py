@@ -1,8 +1,11 @@
 """The served model's linears: packed and fused GEMMs compute what the model's
 own linears do, the engine's tokens stay HF generate()'s with each switch on
 and off, and the model comes back bit for bit."""
+import os
+
 import pytest
 import torch
+from test_backend import resident_kb
 from test_engine import PER_LAYER_GROUP, engine_for, greedy, hf_greedy, prompts, run
 from tiny_models import SMALL, TINY, tiny_model
 from torch import nn
@@ -58,12 +61,14 @@ def test_served_linears_compute_the_same_and_restore_bit_for_bit(arch, pack, fus
     assert {m.packing for m in served.served} <= {packing}
     attn = model.model.layers[0].self_attn
     assert isinstance(attn.q_proj, Part if fuse else Linear) and isinstance(attn.o_proj, Linear if pack else nn.Linear)
-    # the originals' storage is let go (tiny models do not tie the LM head)
-    assert served.held_twice == 0 and all(w.numel() == 0 for w, _, _ in served.released)
+    # the originals' storage is let go (tiny models do not tie the LM head; their weights are anonymous memory)
+    assert served.held_twice == 0 and served.paged_out == 0 and all(w.numel() == 0 for w, _, _ in served.released)
     with torch.inference_mode():
         torch.testing.assert_close(model(ids).logits, expected, atol=1e-5, rtol=1e-5)
+    gemms = list(served.served)
     served.restore()
     assert_unchanged(model, before, modules)
+    assert all(m.nbytes == 0 for m in gemms)  # each served weight let go once unpacked
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, expected)
 
@@ -80,6 +85,25 @@ def test_a_tied_lm_head_is_kept_beside_its_packed_copy():
     assert served.held_twice == head.numel() * head.element_size()
     served.restore()
     assert_unchanged(model, before, modules)
+
+
+def test_weights_read_from_a_mapped_file_give_their_pages_back(tmp_path):
+    tiny_model("llama", "sdpa").save_pretrained(tmp_path)
+    os.sync()  # clean pages, as in a file written long before it is loaded
+    model = TINY["llama"][1].from_pretrained(tmp_path, dtype=torch.float32).eval()  # safetensors maps the file
+    ids = torch.tensor([prompts([30])[0]])
+    with torch.inference_mode():
+        expected = model(ids).logits  # every weight read in
+    path = tmp_path / "model.safetensors"
+    resident = resident_kb(path)
+    served = serve_linears(model)
+    assert served.paged_out > 0
+    assert resident_kb(path) <= resident - served.paged_out // 2048  # at least half of it gone
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, expected, atol=1e-5, rtol=1e-5)
+    served.restore()
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, expected)
 
 
 def test_a_fused_part_recomputes_when_called_out_of_pattern():

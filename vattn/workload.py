@@ -45,6 +45,7 @@ def serve(llm, prompts, params, progress: bool = True) -> tuple[list, dict]:
         "linear_gemms": llm.engine.runner.linears.num_gemms,
         "linear_weight_bytes": llm.engine.runner.linears.nbytes,
         "linear_bytes_held_twice": llm.engine.runner.linears.held_twice,
+        "linear_bytes_paged_out": llm.engine.runner.linears.paged_out,
         "tensor_parallel_size": llm.engine.config.tensor_parallel_size,
         "kv_bytes_per_rank": {"peak": stats.peak_pages * cache.config.page_bytes,
                               "budget": cache.stats().pages_total * cache.config.page_bytes},

@@ -1,5 +1,6 @@
 """Host backend: `mmap` reservations, a `memfd` as the physical pool (native C)."""
 from collections.abc import Sequence
+from pathlib import Path
 from dataclasses import dataclass
 
 import torch
@@ -64,3 +65,34 @@ class HostBackend(Backend):
         loop: the floor `vattn bench vmm` holds the library's own paths against."""
         size = pool.page_size
         return _native.raw_map_loop(reservation, pool.file, size, offsets, [p * size for p in pages])
+
+
+def page_out_file_pages(tensors: Sequence[torch.Tensor]) -> int:
+    """Reclaim the resident pages of `tensors` that lie in a mapped file
+    (weights loaded by mmap, as safetensors loads them): while any tensor
+    keeps the file mapped, the pages a let-go weight was read into stay
+    counted in the process, though the file still holds them.  Clean file
+    pages are read again if touched, so nothing is lost; tensors in anonymous
+    memory are left alone.  Returns the bytes advised."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:  # not Linux: nothing to tell
+        return 0
+    files = []  # (start, end) of the file mappings
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[4] != "0":
+            start, end = fields[0].split("-")
+            files.append((int(start, 16), int(end, 16)))
+    advised = 0
+    for t in tensors:
+        lo, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        if t.is_cpu and t.is_contiguous() and nbytes and any(s <= lo and lo + nbytes <= e for s, e in files):
+            advised += _native.page_out(lo, nbytes)
+    return advised
+
+
+def trim_heap() -> None:
+    """Give the OS back the heap's free memory, which glibc keeps after large
+    frees (weights packed or unpacked) to serve later allocations."""
+    _native.trim_heap()

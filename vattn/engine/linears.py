@@ -15,7 +15,9 @@ back, its weight bit for bit.
 
 While served, a weight is held once: the original parameter's storage is let
 go and rebuilt from the served weight by `restore()`, unless the model uses
-that parameter elsewhere too (a tied LM head), which keeps both.
+that parameter elsewhere too (a tied LM head), which keeps both.  A let-go
+weight read from a mapped file (safetensors) has its pages reclaimed too,
+since the file stays mapped for the model's other weights.
 """
 import itertools
 from collections import defaultdict
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from vattn.backends.host import page_out_file_pages, trim_heap
 from vattn.engine import gemm
 
 # model_type -> (the parent module's last name, the linears it calls on one input), in call order
@@ -76,6 +79,10 @@ class Linear(nn.Module):
     def nbytes(self) -> int:
         return self._weight.numel() * self._weight.element_size()
 
+    def let_go(self) -> None:
+        """Free the served weight (the module serves no more)."""
+        self._weight = torch.empty(0, dtype=self._weight.dtype)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packing={self.packing}"
 
@@ -126,6 +133,7 @@ class ServedLinears:
     released: list[tuple[nn.Parameter, Linear, slice]] = field(default_factory=list)  # (weight, served, its rows)
     served: list[Linear] = field(default_factory=list)
     held_twice: int = 0  # bytes of weights the model also uses elsewhere, so kept in both forms
+    paged_out: int = 0  # bytes of let-go weights whose pages of a mapped file were reclaimed
 
     @property
     def num_packed(self) -> int:
@@ -141,12 +149,21 @@ class ServedLinears:
         return sum(m.nbytes for m in self.served)
 
     def restore(self) -> None:
-        """Every original linear back in its place, with its own weight."""
+        """Every original linear back in its place, with its own weight: each
+        served weight is unpacked once for its originals, then let go."""
+        originals = defaultdict(list)  # served -> (weight, its rows)
         for weight, served, part in self.released:
-            weight.data = served.dense()[part].clone()
+            originals[served].append((weight, part))
+        for served, weights in originals.items():
+            dense = served.dense()
+            for weight, part in weights:
+                weight.data = dense[part].clone()
+            served.let_go()
+        if originals:
+            trim_heap()
         for parent, name, original in self.replaced:
             setattr(parent, name, original)
-        self.replaced, self.released, self.served, self.held_twice = [], [], [], 0
+        self.replaced, self.released, self.served, self.held_twice, self.paged_out = [], [], [], 0, 0
 
 
 def serve_linears(model: nn.Module, pack: bool = True, fuse: bool = True, rows: int = 32,
@@ -179,6 +196,8 @@ def serve_linears(model: nn.Module, pack: bool = True, fuse: bool = True, rows: 
     except BaseException:
         done.restore()
         raise
+    if done.released:
+        trim_heap()
     return done
 
 
@@ -202,6 +221,7 @@ def _replace(done: ServedLinears, owners, parent: nn.Module, name: str, module: 
     done.replaced.append((parent, name, original))
     if owners[id(original.weight)] == {id(original)}:  # the served weight is a copy: let the original go
         done.released.append((original.weight, served, part))
+        done.paged_out += page_out_file_pages([original.weight])
         original.weight.data = torch.empty(0, dtype=original.weight.dtype, device=original.weight.device)
     else:
         done.held_twice += original.weight.numel() * original.weight.element_size()

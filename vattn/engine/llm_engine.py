@@ -254,10 +254,12 @@ class LLMEngine:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def close(self) -> None:
-        """Stop the mapping thread, give the model its own attention back, and
-        stop the other tensor-parallel ranks."""
+        """Stop the mapping thread, give back the memory idle slots hold, give
+        the model its own linears and attention back, and stop the other
+        tensor-parallel ranks."""
         if self.worker:
             self.worker.close()
+        self.cache.trim()
         self.runner.close()
         if self.group is not None and not self.group.closed:
             try:
