@@ -57,6 +57,23 @@ def test_the_own_forward_gives_the_models_logits(arch, fuse, same, settings):
     engine.close()
 
 
+def test_the_fused_forward_writes_into_the_same_buffers_every_step():
+    engine = engine_for(tiny_model("llama", "sdpa"))
+    decoder, seen = engine.runner.decoder, []
+
+    def step(ids, positions, rows, batch):
+        logits = DecoderForward.__call__(decoder, ids, positions, rows, batch)
+        seen.append({site: t.data_ptr() for site, t in decoder._buffers._flat.items()})
+        return logits
+
+    engine.runner.decoder = step
+    out = run(engine, [(p, greedy(12)) for p in prompts([40, 50])])
+    assert out == [[hf_greedy(tiny_model("llama", "sdpa"), p, 12)] for p in prompts([40, 50])]
+    assert set(seen[0]) == {"qkv", "o", "gate_up", "act", "down", "logits"}
+    # grown at most while both requests start (their prefill, then both sampling); reused since
+    assert len(seen) > 10 and all(buffers == seen[2] for buffers in seen[2:])
+
+
 @pytest.mark.parametrize("arch", list(TINY))
 def test_the_engine_equals_hf_generate_with_and_without_its_own_forward(arch):
     model = tiny_model(arch, "sdpa")

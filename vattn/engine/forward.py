@@ -15,7 +15,9 @@ With `fused` (float32 rows on the host) the work between the GEMMs runs as
 one native call each (`vattn.engine.fused`): RMSNorm with the residual add
 before it, SiLU(gate)·up, the rotary embedding in place.  The logits then
 equal transformers' within float32 rounding (the norm's sum and SiLU's exp
-are vattn's own), not bit for bit.
+are vattn's own), not bit for bit.  That forward writes its GEMMs' and
+kernels' rows into buffers it keeps (`_Buffers`), so a step allocates almost
+nothing; its logits are overwritten by the next call.
 
 `DecoderForward.of(model)` is None for a model it cannot run as transformers
 would (another architecture, a layer of another kind, hooks on a module):
@@ -31,7 +33,7 @@ from torch import nn
 
 from vattn import attention
 from vattn.engine import fused
-from vattn.engine.linears import projections
+from vattn.engine.linears import Linear, projections
 
 ARCHITECTURES = {  # model_type -> the class name prefix of its modules
     "llama": "Llama",
@@ -63,6 +65,7 @@ class DecoderForward:
         self.model, self.inner = model, inner
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.intermediate = config.intermediate_size
         rows = inner.embed_tokens.weight.dtype  # the hidden rows' dtype
         self.final_norm = _rms_norm(inner.norm, rows)
         self.layers = [_Layer(i, _rms_norm(layer.input_layernorm, rows),
@@ -75,6 +78,7 @@ class DecoderForward:
         norms = [inner.norm, *(norm for layer in self.layers for norm in layer.norms)]
         self.fused = (fuse_elementwise and self.head_dim % 2 == 0 and self.head_dim <= fused.MAX_HEAD_DIM
                       and all(fused.serves(w) for w in [inner.embed_tokens.weight, *(n.weight for n in norms)]))
+        self._buffers = _Buffers()
         rope_type = inner.rotary_emb.rope_type
         self._rotary = None  # `_cos_sin` of every position below max_positions, or None: made each step
         if isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope":
@@ -132,26 +136,53 @@ class DecoderForward:
         """`__call__` with the fused kernels: `h` is the residual stream, `x`
         each sublayer's input (the norm of h) and then its output."""
         T, H, G, D = h.shape[0], self.heads, self.kv_heads, self.head_dim
+        take = partial(self._buffers.take, like=h, rows=T)
         x = _fused_norm(h.clone(), self.layers[0].norms[0])
         for layer, after in zip(self.layers, self.layers[1:] + [None]):
-            qkv = layer.qkv(x)
+            qkv = _gemm(layer.qkv, x, take("qkv", cols=(H + 2 * G) * D))
             fused.rotate(qkv[:, :(H + G) * D], H + G, cos, sin)
             qkv = qkv.view(T, H + 2 * G, D)
             out = attention.attend(batch, layer.index, qkv[:, :H], qkv[:, H:H + G], qkv[:, H + G:], layer.scaling,
                                    layer.window)
-            x = _fused_norm(layer.o_proj(out.reshape(T, -1)), layer.norms[1], h)
-            x = layer.down_proj(fused.silu_mul(layer.gate_up(x)))
+            x = _fused_norm(_gemm(layer.o_proj, out.reshape(T, -1), take("o", cols=h.shape[1])), layer.norms[1], h)
+            gate_up = _gemm(layer.gate_up, x, take("gate_up", cols=2 * self.intermediate))
+            x = _gemm(layer.down_proj, fused.silu_mul(gate_up, take("act", cols=self.intermediate)),
+                      take("down", cols=h.shape[1]))
             if after is None:
                 h += x
             else:
                 _fused_norm(x, after.norms[0], h)
-        return self.model.lm_head(_fused_norm(h[rows], self.inner.norm))
+        head = self.model.lm_head
+        return _gemm(head, _fused_norm(h[rows], self.inner.norm),
+                     self._buffers.take("logits", h, rows.shape[0], head.out_features))
 
     def _cos_sin(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's rotary cos and sin `[T, D]` at `positions`, sin's first half negated (`_rotate`)."""
         cos, sin = (t[0] for t in self.inner.rotary_emb(h, positions[None]))
         half = sin.shape[-1] // 2
         return cos, torch.cat((-sin[:, :half], sin[:, half:]), -1)
+
+
+class _Buffers:
+    """The fused forward's output rows: a buffer for each call site, which
+    every layer and step reuses (each layer reads a site's rows before the
+    next writes them).  On the host a fresh tensor each call costs more than a
+    decode step's small operators: malloc's search, and new pages faulted in."""
+
+    def __init__(self):
+        self._flat: dict[str, torch.Tensor] = {}
+
+    def take(self, site: str, like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        """`[rows, cols]` of `like`'s dtype and device, from site's buffer (grown where too small)."""
+        flat = self._flat.get(site)
+        if flat is None or flat.numel() < rows * cols:
+            flat = self._flat[site] = like.new_empty(max(rows * cols, 2 * flat.numel() if flat is not None else 0))
+        return flat[:rows * cols].view(rows, cols)
+
+
+def _gemm(linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """linear(x), written into `out` where vattn's GEMM runs it (`Linear` packed "native")."""
+    return linear(x, out) if isinstance(linear, Linear) else linear(x)
 
 
 def _rms_norm(norm: nn.Module, rows: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:

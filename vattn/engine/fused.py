@@ -30,9 +30,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return x
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """`silu(gate) · up` `[T, n]` of `gate_up [T, 2n]` (gate first)."""
-    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`silu(gate) · up` `[T, n]` of `gate_up [T, 2n]` (gate first), into `out` where given."""
+    if out is None:
+        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
     _native.silu_mul(matrix("out", out), matrix("gate_up", gate_up), torch.get_num_threads())
     return out
 

@@ -36,13 +36,15 @@ def unpack(panels: torch.Tensor, out_features: int) -> torch.Tensor:
     return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:out_features].clone()
 
 
-def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """`x [..., in] W^T + bias` of the weight packed in `panels`."""
+def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """`x [..., in] W^T + bias` of the weight packed in `panels`, written into
+    `out [rows, out_features]` where given."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = rows.new_empty(rows.shape[0], out_features)
+    if out is None:
+        out = rows.new_empty(rows.shape[0], out_features)
     _native.linear(matrix("out", out), matrix("x", rows), matrix("panels", panels.view(-1, PANEL)),
                    None if bias is None else matrix("bias", bias), torch.get_num_threads())
     return out.view(*x.shape[:-1], out_features)

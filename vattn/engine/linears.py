@@ -63,9 +63,11 @@ class Linear(nn.Module):
     def packed(self) -> bool:
         return self.packing is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: rows `[rows, out_features]` vattn's GEMM writes into (the
+        other packings return their own)."""
         if self.packing == "native":
-            return gemm.linear(x, self._weight, self.out_features, self._bias)
+            return gemm.linear(x, self._weight, self.out_features, self._bias, out)
         if self.packing == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self._weight, self._bias, "none", [], "")
         return F.linear(x, self._weight, self._bias)
