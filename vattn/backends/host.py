@@ -1,7 +1,7 @@
 """Host backend: `mmap` reservations, a `memfd` as the physical pool (native C)."""
 from collections.abc import Sequence
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 

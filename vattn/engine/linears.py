@@ -83,7 +83,7 @@ class Linear(nn.Module):
 
     def let_go(self) -> None:
         """Free the served weight (the module serves no more)."""
-        self._weight = torch.empty(0, dtype=self._weight.dtype)
+        self._weight = torch.empty(0, dtype=self._weight.dtype, device=self._weight.device)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packing={self.packing}"

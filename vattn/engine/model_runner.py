@@ -60,7 +60,9 @@ class ModelRunner:
         return self.kernel.range_read(batch)
 
     def run(self, step: StepInputs, batch: attention.StepBatch) -> torch.Tensor:
-        """Logits `[rows, vocab]` (on the host), a row per work that samples, in plan order."""
+        """Logits `[rows, vocab]` (on the host), a row per work that samples,
+        in plan order; on the host the engine's own forward writes the next
+        run's logits over them."""
         device = self.model.device
         ids = torch.tensor([step.token_ids], device=device)  # [1, T]: one sequence, to the model
         rows = torch.tensor(step.sample_rows or [len(step.token_ids) - 1], device=device)
