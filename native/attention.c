@@ -23,8 +23,12 @@
  * (attention_kernel.h) is compiled at 16 lanes for AVX-512 and at 8 for AVX2/FMA
  * and for the baseline ISA, and the CPU's features pick one at run time.
  *
+ * With new_k and new_v ([T, H_kv, D], a row per query token), each request's
+ * new tokens' K/V are first stored at their rows of its slot, so one call
+ * appends and attends (the caller has checked those rows are mapped).
+ *
  * Every argument is checked before anything is written: a bad call raises
- * ValueError and leaves the output as it was.
+ * ValueError and leaves the output and the K/V as they were.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -294,6 +298,38 @@ static int check(const View *q, const View *out, const View *k, const View *v, c
     return 0;
 }
 
+/* new_k/new_v: a row of [H_kv, D] per query token, in q's dtype. */
+static int check_new(const View *nk, const View *nv, const View *q, const View *k) {
+    const View *views[2] = {nk, nv};
+    for (int i = 0; i < 2; i++) {
+        const View *n = views[i];
+        if (n->dtype != q->dtype) return FAIL("new_k and new_v must have q's dtype (codes %d, %d)", n->dtype, q->dtype);
+        if (n->shape[0] != q->shape[0] || n->shape[1] != k->shape[2] || n->shape[2] != k->shape[3])
+            return FAIL("new_k and new_v are [T, H_kv, D] = [%lld, %lld, %lld]; got [%lld, %lld, %lld]", q->shape[0],
+                        k->shape[2], k->shape[3], n->shape[0], n->shape[1], n->shape[2]);
+    }
+    return 0;
+}
+
+/* Each request's new tokens' K/V into rows length - num_q .. length - 1 of its slot. */
+static void append(const Call *c, const View *nk, const View *nv) {
+    const int64_t esize = c->bf16 ? 2 : 4, row_bytes = c->D * esize;
+    for (int64_t i = 0; i < c->num_reqs; i++) {
+        const int64_t *r = c->reqs + i * REQ_FIELDS;
+        for (int64_t t = 0; t < r[REQ_NUM_Q]; t++) {
+            int64_t token = r[REQ_Q_FIRST] + t, row = r[REQ_LENGTH] - r[REQ_NUM_Q] + t;
+            for (int64_t h = 0; h < c->Hkv; h++) {
+                memcpy((char *)c->k + (r[REQ_SLOT] * c->k_slot + row * c->k_row + h * c->k_head) * esize,
+                       (const char *)(uintptr_t)nk->ptr + (token * nk->stride[0] + h * nk->stride[1]) * esize,
+                       row_bytes);
+                memcpy((char *)c->v + (r[REQ_SLOT] * c->v_slot + row * c->v_row + h * c->v_head) * esize,
+                       (const char *)(uintptr_t)nv->ptr + (token * nv->stride[0] + h * nv->stride[1]) * esize,
+                       row_bytes);
+            }
+        }
+    }
+}
+
 static int by_rows_descending(const void *a, const void *b) {
     int64_t x = ((const Item *)a)->hi - ((const Item *)a)->lo, y = ((const Item *)b)->hi - ((const Item *)b)->lo;
     return (x < y) - (x > y);
@@ -365,16 +401,25 @@ static int plan(Call *c, int threads, Tile **tiles_out, float **partials_out) {
 }
 
 PyObject *attend(PyObject *mod, PyObject *args) {
-    PyObject *qa, *outa, *ka, *va;
+    PyObject *qa, *outa, *ka, *va, *nka = Py_None, *nva = Py_None;
     Py_buffer reqs;
     double scale;
     long long window;
     int threads;
-    if (!PyArg_ParseTuple(args, "OOOOy*dLi", &qa, &outa, &ka, &va, &reqs, &scale, &window, &threads)) return NULL;
-    View q, out, k, v;
+    if (!PyArg_ParseTuple(args, "OOOOy*dLi|OO", &qa, &outa, &ka, &va, &reqs, &scale, &window, &threads, &nka, &nva))
+        return NULL;
+    View q, out, k, v, nk, nv;
     PyObject *result = NULL;
+    int appends = nka != Py_None;
     if (parse_view(qa, "q", 3, &q) || parse_view(outa, "out", 3, &out) || parse_view(ka, "k", 4, &k) ||
         parse_view(va, "v", 4, &v))
+        goto done;
+    if ((nka == Py_None) != (nva == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "new_k and new_v come together");
+        goto done;
+    }
+    if (appends && (parse_view(nka, "new_k", 3, &nk) || parse_view(nva, "new_v", 3, &nv) ||
+                    check_new(&nk, &nv, &q, &k)))
         goto done;
     if (reqs.len % (REQ_FIELDS * sizeof(int64_t))) {
         PyErr_Format(PyExc_ValueError, "requests: %d int64 fields each (slot, start, length, q_first, num_q)",
@@ -402,6 +447,7 @@ PyObject *attend(PyObject *mod, PyObject *args) {
     int parallel;
     Py_BEGIN_ALLOW_THREADS
     parallel = plan(&c, threads, &tiles, &partials);
+    if (parallel >= 0 && appends) append(&c, &nk, &nv);
     if (parallel > 0 && threads > 1)
         run_parallel(&c, threads);
     else if (parallel >= 0)

@@ -491,7 +491,8 @@ static PyMethodDef methods[] = {
      "dlpack(owner, address, nbytes, device_type, device_id): a DLPack capsule of nbytes uint8 at address, "
      "keeping owner alive."},
     {"attend", attend, METH_VARARGS,
-     "attend(q, out, k, v, requests, scale, window, threads): attention of q's tokens over strided K/V rows into out."},
+     "attend(q, out, k, v, requests, scale, window, threads[, new_k, new_v]): attention of q's tokens over strided K/V "
+     "rows into out, after storing each request's new K/V rows where given."},
     {"attention_isa", attention_isa, METH_VARARGS,
      "attention_isa([name]): the instruction set attend() runs, after switching to name ('avx2', 'baseline')."},
     {"rms_norm", rms_norm, METH_VARARGS,

@@ -15,7 +15,7 @@ NEITHER = EVERY - {"flash", "triton"}
 @pytest.mark.parametrize("installed", [EVERY, NEITHER])
 def test_the_host_takes_the_native_kernel_for_virtual_caches(dtype, installed):
     kernel = pick("cpu", dtype, "virtual", 64, installed=installed)
-    assert kernel.name == "native" and not kernel.stores_kv
+    assert kernel.name == "native" and kernel.stores_kv  # one call appends and attends
 
 
 @pytest.mark.parametrize("dtype, kind, head_dim", [(torch.float16, "virtual", 64), (torch.float32, "paged", 64),

@@ -56,11 +56,11 @@ def close(out, ref, dtype) -> bool:
     return bool(err <= (1e-5 if dtype == torch.float32 else 2e-2) * ref.abs().max().clamp(min=1))
 
 
-def cache_views(layout, heads, kv_heads, dim, lengths, dtype, seed=0, slots=None):
+def cache_views(layout, heads, kv_heads, dim, lengths, dtype, seed=0, slots=None, max_seq_len=None):
     """A virtual cache holding random K/V of `lengths` at `slots` (layer 1 of two); its views."""
     slots = slots or list(range(len(lengths)))
     cache = VirtualKVCache(CacheConfig(2, kv_heads, dim, dtype, max_num_seqs=max(slots) + 1,
-                                       max_seq_len=max(max(lengths), 1), layout=layout))
+                                       max_seq_len=max_seq_len or max(max(lengths), 1), layout=layout))
     g = torch.Generator().manual_seed(seed)
     for slot in range(max(slots) + 1):
         assert cache.allocate(1, slot=slot) == slot
@@ -100,6 +100,43 @@ def test_chunked_prefill_and_windows_equal_sdpa(window, dtype):
     q = torch.randn(158, heads, dim, generator=torch.Generator().manual_seed(2)).to(dtype)
     out = attend(q, K, V, table, 0.1, window)
     assert close(out, reference(q, K, V, table, 0.1, window), dtype)
+
+
+@pytest.mark.parametrize("layout", ["per_head", "per_layer", "interleaved"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_new_k_and_v_are_stored_at_each_request_s_rows_before_it_attends(layout, dtype):
+    """Decode tokens and a prefill chunk append their K/V in the same call
+    that attends over them (the engine's step); other rows stay as they were."""
+    heads, kv_heads, dim = 6, 2, 64
+    lengths, new = [300, 40, 0], [1, 1, 70]
+    cache, K, V = cache_views(layout, heads, kv_heads, dim, lengths, dtype, max_seq_len=512)
+    for slot, (n, m) in enumerate(zip(lengths, new)):
+        cache.grow(slot, n + m)  # the engine maps the rows before it writes them
+    g = torch.Generator().manual_seed(6)
+    T = sum(new)
+    q, new_k, new_v = (torch.randn(T, h, dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+    table = requests([(0, 0, 301, 0, 1), (1, 0, 41, 1, 1), (2, 0, 70, 2, 70)])
+    before_k, before_v = K.clone(), V.clone()
+    out = attend(q, K, V, table, 0.125, None, None, new_k, new_v)
+    expected_k, expected_v = before_k.clone(), before_v.clone()
+    for (slot, row), token in zip([(0, 300), (1, 40), *((2, r) for r in range(70))], range(T)):
+        expected_k[slot, row], expected_v[slot, row] = new_k[token], new_v[token]
+    assert torch.equal(K, expected_k) and torch.equal(V, expected_v)
+    assert close(out, reference(q, K, V, table, 0.125), dtype)
+
+
+def test_new_k_and_v_of_the_wrong_shape_are_refused_with_nothing_written():
+    cache, K, V = cache_views("per_layer", 4, 2, 64, [10, 64], torch.float32)
+    table = requests([(0, 0, 10, 0, 1), (1, 0, 64, 1, 3)])
+    q, out = torch.randn(4, 4, 64), torch.full((4, 4, 64), 7.0)
+    before = K.clone(), V.clone(), out.clone()
+    for new_k, new_v, message in [(torch.randn(4, 3, 64), torch.randn(4, 3, 64), r"\[T, H_kv, D\] = \[4, 2, 64\]"),
+                                  (torch.randn(3, 2, 64), torch.randn(3, 2, 64), "new_k and new_v are"),
+                                  (torch.randn(4, 2, 64), None, "new_v must be a tensor"),
+                                  (torch.randn(4, 2, 64).bfloat16(), torch.randn(4, 2, 64).bfloat16(), "q's dtype")]:
+        with pytest.raises(ValueError, match=message):
+            attend(q, K, V, table, 0.1, None, out, new_k, new_v)
+        assert all(torch.equal(a, b) for a, b in zip((K, V, out), before))
 
 
 @pytest.mark.parametrize("isa", supported_isas())

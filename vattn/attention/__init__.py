@@ -62,13 +62,20 @@ def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lay
 
 
 def attend(b: StepBatch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
-           window: int) -> torch.Tensor:
+           window: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Layer `layer` of the forward `b` describes: its K/V `[T, H_kv, D]` into
-    the cache, and `q [T, H, D]`'s attention out (`[T, H, D]`; `window` 0: none)."""
+    the cache, and `q [T, H, D]`'s attention, written into `out` (made where
+    None) and returned (`window` 0: none)."""
     if q.shape[0] != b.num_tokens:
         raise ValueError(f"the forward has {q.shape[0]} tokens; its StepBatch describes {b.num_tokens}")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out is {out.dtype} {tuple(out.shape)} on {out.device}; q is {q.dtype} "
+                         f"{tuple(q.shape)} on {q.device}")
     b.write(layer, k, v, store=not b.kernel.stores_kv)
-    return b.kernel.run(b, layer, q, k, v, scaling, window or None)
+    b.kernel.run(b, layer, q, k, v, scaling, window or None, out)
+    return out
 
 
 @attend_step.register_fake

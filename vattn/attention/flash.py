@@ -31,12 +31,11 @@ def serves_head_dim(head_dim: int) -> bool:
     return head_dim % 8 == 0 and 0 < head_dim <= MAX_HEAD_DIM
 
 
-def run(b: StepBatch, layer: int, q, k, v, scaling, window) -> torch.Tensor:
-    """`q`, `k`, `v [T, H(_kv), D]` of the whole forward; the kernel appends
-    `k`/`v` at each request's position.  Returns `[T, H, D]`."""
+def run(b: StepBatch, layer: int, q, k, v, scaling, window, out) -> None:
+    """`q`, `out [T, H, D]`, `k`, `v [T, H_kv, D]` of the whole forward; the
+    kernel appends `k`/`v` at each request's position."""
     paged = b.cache.kind == "paged"
     K, V = b.cache.layer_blocks(layer) if paged else b.cache.layer_kv(layer)
-    out = torch.empty_like(q)
     d = len(b.decode_slots)
     if d:
         out[:d] = _append_and_attend(K, V, q[:d, None], k[:d, None], v[:d, None], _where(b, "decode", b.decode_slots),
@@ -45,7 +44,6 @@ def run(b: StepBatch, layer: int, q, k, v, scaling, window) -> torch.Tensor:
         out[rows] = _append_and_attend(K, V, q[None, rows], k[None, rows], v[None, rows],
                                        _where(b, f"slot{slot}", [slot]), b.tensor(f"start{slot}", [start]),
                                        scaling, window)[0]
-    return out
 
 
 def _where(b: StepBatch, name: str, slots: list[int]) -> dict[str, torch.Tensor]:

@@ -2,7 +2,8 @@
 strided views, read in place: one call a layer for the whole forward, every
 decode token and prefill chunk a request reading its slot's rows up to its
 own length (bottom-right causal) and no further, so it never touches an
-unmapped row.  Grouped K/V heads are read once for all their query heads;
+unmapped row.  In the engine the same call first stores the forward's new
+K/V at each request's rows (the cache has checked them).  Grouped K/V heads are read once for all their query heads;
 float32 and bfloat16, summed in float32; torch's thread count.
 """
 from array import array
@@ -34,22 +35,27 @@ def requests(rows: Iterable[tuple[int, int, int, int, int]]) -> array:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: array, scale: float,
-           window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+           window: int | None = None, out: torch.Tensor | None = None, new_k: torch.Tensor | None = None,
+           new_v: torch.Tensor | None = None) -> torch.Tensor:
     """`q`, `out [T, H, D]`; `k`, `v [slots, rows, H_kv, D]` (any strides, the
     last dimension contiguous).  Query token i of a request at position p
     attends to rows [max(start, p + 1 - window), p] of its slot.  Rows of
-    `out` no request names are left as they are.  A ValueError, with nothing
-    written, for inputs the kernel cannot take."""
+    `out` no request names are left as they are.  With `new_k`, `new_v
+    [T, H_kv, D]`, each query token's K/V row is first stored at its position
+    in its slot.  A ValueError, with nothing written, for inputs the kernel
+    cannot take."""
     out = torch.empty_like(q) if out is None else out
+    new = () if new_k is None and new_v is None else (_view("new_k", new_k, 3), _view("new_v", new_v, 3))
     _native.attend(_view("q", q, 3), _view("out", out, 3), _view("k", k, 4), _view("v", v, 4), table, scale,
-                   window or 0, torch.get_num_threads())
+                   window or 0, torch.get_num_threads(), *new)
     return out
 
 
-def run(b: "StepBatch", layer: int, q, k, v, scaling, window) -> torch.Tensor:
-    """`q [T, H, D]` of the whole forward; `k`/`v` are already in the cache.  Returns `[T, H, D]`."""
+def run(b: "StepBatch", layer: int, q, k, v, scaling, window, out) -> None:
+    """`q`, `out [T, H, D]`, `k`/`v [T, H_kv, D]` of the whole forward: stores
+    k/v in the cache, and attends."""
     K, V = b.cache.layer_kv(layer)
-    return attend(q, K, V, b.requests(), scaling, window)
+    attend(q, K, V, b.requests(), scaling, window, out, k, v)
 
 
 def _view(name: str, t: torch.Tensor, ndim: int) -> tuple:

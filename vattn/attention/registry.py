@@ -20,7 +20,7 @@ from vattn.attention import flash, native, sdpa, triton_decode
 @dataclass(frozen=True, slots=True)
 class Kernel:
     name: str
-    run: Callable[..., torch.Tensor]  # (batch, layer, q, k, v, scaling, window) -> [T, H, D]
+    run: Callable[..., None]  # (batch, layer, q, k, v, scaling, window, out): the attention into out [T, H, D]
     stores_kv: bool  # it appends the step's K/V itself: the cache only checks and records the write
     device_types: tuple[str, ...]
     dtypes: tuple[torch.dtype, ...] | None  # None: any
@@ -52,7 +52,7 @@ class Kernel:
 
 
 KERNELS = {k.name: k for k in (
-    Kernel("native", native.run, stores_kv=False, device_types=("cpu",), dtypes=tuple(native.DTYPES),
+    Kernel("native", native.run, stores_kv=True, device_types=("cpu",), dtypes=tuple(native.DTYPES),
            cache_kinds=("virtual",), head_dims=native.serves_head_dim,
            head_dims_text=f", head_dim a multiple of 16 up to {native.MAX_HEAD_DIM}"),
     Kernel("flash", flash.run, stores_kv=True, device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16),

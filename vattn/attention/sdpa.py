@@ -29,14 +29,12 @@ def backends(device: torch.device):
     return sdpa_kernel(CUDA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def run(b: StepBatch, layer: int, q, k, v, scaling, window) -> torch.Tensor:
-    """`q [T, H, D]` of the whole forward; `k`/`v` are already in the cache.  Returns `[T, H, D]`."""
-    out = torch.empty_like(q)
+def run(b: StepBatch, layer: int, q, k, v, scaling, window, out) -> None:
+    """`q`, `out [T, H, D]` of the whole forward; `k`/`v` are already in the cache."""
     d = len(b.decode_slots)
     if d:
         out[:d] = decode(b, layer, q[:d], scaling, window)
     prefill_into(out, b, layer, q, scaling, window)
-    return out
 
 
 def prefill_into(out, b: StepBatch, layer: int, q, scaling, window) -> None:

@@ -35,9 +35,8 @@ def serves_head_dim(head_dim: int) -> bool:
     return 0 < head_dim <= MAX_HEAD_DIM
 
 
-def run(b: "StepBatch", layer: int, q, k, v, scaling, window) -> torch.Tensor:
-    """`q [T, H, D]` of the whole forward; `k`/`v` are already in the cache.  Returns `[T, H, D]`."""
-    out = torch.empty_like(q)
+def run(b: "StepBatch", layer: int, q, k, v, scaling, window, out) -> None:
+    """`q`, `out [T, H, D]` of the whole forward; `k`/`v` are already in the cache."""
     d = len(b.decode_slots)
     if d:
         K, V = b.cache.layer_kv(layer)
@@ -45,7 +44,6 @@ def run(b: "StepBatch", layer: int, q, k, v, scaling, window) -> torch.Tensor:
         decode(q[:d], K, V, b.tensor("slots", b.decode_slots), lengths, scaling, window, out[:d],
                checked=True)  # the cache checked the slots and positions it wrote
     sdpa.prefill_into(out, b, layer, q, scaling, window)
-    return out
 
 
 def decode(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,

@@ -143,7 +143,7 @@ class DecoderForward:
             fused.rotate(qkv[:, :(H + G) * D], H + G, cos, sin)
             qkv = qkv.view(T, H + 2 * G, D)
             out = attention.attend(batch, layer.index, qkv[:, :H], qkv[:, H:H + G], qkv[:, H + G:], layer.scaling,
-                                   layer.window)
+                                   layer.window, take("attention", cols=H * D).view(T, H, D))
             x = _fused_norm(_gemm(layer.o_proj, out.reshape(T, -1), take("o", cols=h.shape[1])), layer.norms[1], h)
             gate_up = _gemm(layer.gate_up, x, take("gate_up", cols=2 * self.intermediate))
             x = _gemm(layer.down_proj, fused.silu_mul(gate_up, take("act", cols=self.intermediate)),
