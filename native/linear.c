@@ -46,14 +46,22 @@ typedef struct {
     int64_t rows, n, k, x_stride, y_stride;
 } Gemm;
 
+/* Lines of the next panel a block asks for ahead, `per` at each step over K. */
+typedef struct {
+    const char *at, *end;
+    int per;
+} Ahead;
+
 /* y rows [0, R) columns [col, col + cols) from panel `w` and x rows [0, R): R a constant per copy */
 #define BLOCK(R)                                                                                            \
     AVX512 static void block##R(const Gemm *g, const float *x, const float *w, float *y, int64_t col,       \
-                                int64_t cols) {                                                             \
+                                int64_t cols, Ahead ahead) {                                                \
         v16f acc[R][VECTORS];                                                                               \
         _Pragma("GCC unroll 8") for (int i = 0; i < R; i++)                                                 \
             _Pragma("GCC unroll 3") for (int j = 0; j < VECTORS; j++) acc[i][j] = (v16f){};                 \
         for (int64_t d = 0; d < g->k; d++, w += PANEL) {                                                    \
+            for (int u = 0; u < ahead.per && ahead.at < ahead.end; u++, ahead.at += 64)                     \
+                __builtin_prefetch(ahead.at, 0, 2);                                                         \
             v16f wv[VECTORS];                                                                               \
             _Pragma("GCC unroll 3") for (int j = 0; j < VECTORS; j++) wv[j] = *(const v16u *)(w + 16 * j); \
             _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                           \
@@ -75,20 +83,29 @@ typedef struct {
     }
 BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6) BLOCK(7) BLOCK(8)
 
-typedef void (*block_fn)(const Gemm *, const float *, const float *, float *, int64_t, int64_t);
+typedef void (*block_fn)(const Gemm *, const float *, const float *, float *, int64_t, int64_t, Ahead);
 static const block_fn BLOCKS[MAX_ROWS + 1] = {NULL, block1, block2, block3, block4, block5, block6, block7, block8};
 
-/* panels [p0, p1) for every row, CHUNK rows at a time, each chunk in blocks of equal size */
+/* panels [p0, p1) for every row, CHUNK rows at a time, each chunk in blocks of equal size.  The
+ * first block reads a panel from memory, the others from L2; so that no block waits on memory
+ * while the others leave it idle, every block of panel p asks for its share of panel p + 1. */
 static void panels(const Gemm *g, int64_t p0, int64_t p1) {
+    const int64_t lines = g->k * PANEL * (int64_t)sizeof(float) / 64;  /* a panel's cache lines */
     for (int64_t c = 0; c < g->rows; c += CHUNK) {
         const int64_t rows = g->rows - c < CHUNK ? g->rows - c : CHUNK;
         const int64_t blocks = (rows + MAX_ROWS - 1) / MAX_ROWS, size = (rows + blocks - 1) / blocks;
+        const int64_t share = (lines + blocks - 1) / blocks;  /* lines a block asks for */
+        const int per = blocks > 1 ? (int)((share + g->k - 1) / g->k) : 0;
         for (int64_t p = p0; p < p1; p++) {
             const int64_t col = p * PANEL, cols = g->n - col < PANEL ? g->n - col : PANEL;
-            for (int64_t r = c; r < c + rows; r += size) {
+            const char *next = p + 1 < p1 ? (const char *)(g->panels + (p + 1) * g->k * PANEL) : NULL;
+            for (int64_t r = c, b = 0; r < c + rows; r += size, b++) {
                 const int64_t R = c + rows - r < size ? c + rows - r : size;
+                const int64_t from = b * share < lines ? b * share : lines;
+                const int64_t to = from + share < lines ? from + share : lines;
+                Ahead ahead = {next ? next + 64 * from : NULL, next ? next + 64 * to : NULL, next ? per : 0};
                 BLOCKS[R](g, g->x + r * g->x_stride, g->panels + p * g->k * PANEL, g->y + r * g->y_stride + col,
-                          col, cols);
+                          col, cols, ahead);
             }
         }
     }
