@@ -87,17 +87,31 @@ def test_a_tied_lm_head_is_kept_beside_its_packed_copy():
     assert_unchanged(model, before, modules)
 
 
-def test_weights_read_from_a_mapped_file_give_their_pages_back(tmp_path):
-    tiny_model("llama", "sdpa").save_pretrained(tmp_path)
+def whole_pages(t: torch.Tensor) -> int:
+    """Bytes of the whole OS pages inside t's memory."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    return max(0, ((t.data_ptr() + t.nbytes) // page - -(-t.data_ptr() // page)) * page)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weights_read_from_a_mapped_file_give_their_pages_back(tmp_path, tied):
+    """Every packed linear's original pages, the tied embedding's too (only
+    its looked-up rows are read again)."""
+    config = TINY["llama"][0](**SMALL, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    TINY["llama"][1](config).save_pretrained(tmp_path)
     os.sync()  # clean pages, as in a file written long before it is loaded
     model = TINY["llama"][1].from_pretrained(tmp_path, dtype=torch.float32).eval()  # safetensors maps the file
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     ids = torch.tensor([prompts([30])[0]])
     with torch.inference_mode():
         expected = model(ids).logits  # every weight read in
     path = tmp_path / "model.safetensors"
     resident = resident_kb(path)
+    originals = {m.weight.data_ptr(): m.weight for m in model.modules() if type(m) is nn.Linear}
+    pages = sum(map(whole_pages, originals.values()))
     served = serve_linears(model)
-    assert served.paged_out > 0
+    assert served.paged_out == pages > 0
     assert resident_kb(path) <= resident - served.paged_out // 2048  # at least half of it gone
     with torch.inference_mode():
         torch.testing.assert_close(model(ids).logits, expected, atol=1e-5, rtol=1e-5)

@@ -15,9 +15,11 @@ back, its weight bit for bit.
 
 While served, a weight is held once: the original parameter's storage is let
 go and rebuilt from the served weight by `restore()`, unless the model uses
-that parameter elsewhere too (a tied LM head), which keeps both.  A let-go
-weight read from a mapped file (safetensors) has its pages reclaimed too,
-since the file stays mapped for the model's other weights.
+that parameter elsewhere too (a tied LM head), which keeps both.  An
+original weight read from a mapped file (safetensors) has its pages
+reclaimed once packed, since the file stays mapped for the model's other
+weights: a let-go one is not read again, a kept one (the tied embedding)
+only in the rows its lookups touch.
 """
 import itertools
 from collections import defaultdict
@@ -135,7 +137,7 @@ class ServedLinears:
     released: list[tuple[nn.Parameter, Linear, slice]] = field(default_factory=list)  # (weight, served, its rows)
     served: list[Linear] = field(default_factory=list)
     held_twice: int = 0  # bytes of weights the model also uses elsewhere, so kept in both forms
-    paged_out: int = 0  # bytes of let-go weights whose pages of a mapped file were reclaimed
+    paged_out: int = 0  # bytes of original weights whose pages of a mapped file were reclaimed
 
     @property
     def num_packed(self) -> int:
@@ -221,9 +223,9 @@ def _replace(done: ServedLinears, owners, parent: nn.Module, name: str, module: 
     original = getattr(parent, name)
     setattr(parent, name, module)
     done.replaced.append((parent, name, original))
+    done.paged_out += page_out_file_pages([original.weight])  # packing read every page; few are read again
     if owners[id(original.weight)] == {id(original)}:  # the served weight is a copy: let the original go
         done.released.append((original.weight, served, part))
-        done.paged_out += page_out_file_pages([original.weight])
         original.weight.data = torch.empty(0, dtype=original.weight.dtype, device=original.weight.device)
     else:
         done.held_twice += original.weight.numel() * original.weight.element_size()
