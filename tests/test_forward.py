@@ -69,7 +69,7 @@ def test_the_fused_forward_writes_into_the_same_buffers_every_step():
     engine.runner.decoder = step
     out = run(engine, [(p, greedy(12)) for p in prompts([40, 50])])
     assert out == [[hf_greedy(tiny_model("llama", "sdpa"), p, 12)] for p in prompts([40, 50])]
-    assert set(seen[0]) == {"qkv", "attention", "o", "gate_up", "act", "down", "logits"}
+    assert set(seen[0]) == {"qkv", "attention", "sampling", "residual", "o", "gate_up", "act", "down", "logits"}
     # grown at most while both requests start (their prefill, then both sampling); reused since
     assert len(seen) > 10 and all(buffers == seen[2] for buffers in seen[2:])
 

@@ -9,7 +9,8 @@ not read, per-layer dispatch through the attention interface and its torch
 operator.  The step is one flat batch of `[T, hidden]` rows; the rotary
 embedding's cos and sin are rows of a table made once (where they depend on
 the position alone); Q and K are rotated together; the final norm and the LM
-head run on the rows that sample only.
+head run on the rows that sample only (in the fused forward, the last layer's
+o_proj and MLP too: the other rows' K/V are all the cache needs of them).
 
 With `fused` (float32 rows on the host) the work between the GEMMs runs as
 one native call each (`vattn.engine.fused`): RMSNorm with the residual add
@@ -136,14 +137,19 @@ class DecoderForward:
         """`__call__` with the fused kernels: `h` is the residual stream, `x`
         each sublayer's input (the norm of h) and then its output."""
         T, H, G, D = h.shape[0], self.heads, self.kv_heads, self.head_dim
-        take = partial(self._buffers.take, like=h, rows=T)
         x = _fused_norm(h.clone(), self.layers[0].norms[0])
         for layer, after in zip(self.layers, self.layers[1:] + [None]):
+            take = partial(self._buffers.take, like=h, rows=T)
             qkv = _gemm(layer.qkv, x, take("qkv", cols=(H + 2 * G) * D))
             fused.rotate(qkv[:, :(H + G) * D], H + G, cos, sin)
             qkv = qkv.view(T, H + 2 * G, D)
             out = attention.attend(batch, layer.index, qkv[:, :H], qkv[:, H:H + G], qkv[:, H + G:], layer.scaling,
                                    layer.window, take("attention", cols=H * D).view(T, H, D))
+            if after is None:  # past the last layer's K/V only the rows that sample are read
+                T = rows.shape[0]
+                take = partial(self._buffers.take, like=h, rows=T)
+                out = torch.index_select(out.view(-1, H * D), 0, rows, out=take("sampling", cols=H * D))
+                h = torch.index_select(h, 0, rows, out=take("residual", cols=h.shape[1]))
             x = _fused_norm(_gemm(layer.o_proj, out.reshape(T, -1), take("o", cols=h.shape[1])), layer.norms[1], h)
             gate_up = _gemm(layer.gate_up, x, take("gate_up", cols=2 * self.intermediate))
             x = _gemm(layer.down_proj, fused.silu_mul(gate_up, take("act", cols=self.intermediate)),
@@ -153,8 +159,7 @@ class DecoderForward:
             else:
                 _fused_norm(x, after.norms[0], h)
         head = self.model.lm_head
-        return _gemm(head, _fused_norm(h[rows], self.inner.norm),
-                     self._buffers.take("logits", h, rows.shape[0], head.out_features))
+        return _gemm(head, _fused_norm(h, self.inner.norm), self._buffers.take("logits", h, T, head.out_features))
 
     def _cos_sin(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's rotary cos and sin `[T, D]` at `positions`, sin's first half negated (`_rotate`)."""
