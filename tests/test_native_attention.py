@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vattn import _native
+from vattn import _native, attention
+from vattn.attention import StepBatch
 from vattn.attention.native import attend, requests
 from vattn.config import CacheConfig
 from vattn.kv.virtual import VirtualKVCache
@@ -137,6 +138,31 @@ def test_new_k_and_v_of_the_wrong_shape_are_refused_with_nothing_written():
         with pytest.raises(ValueError, match=message):
             attend(q, K, V, table, 0.1, None, out, new_k, new_v)
         assert all(torch.equal(a, b) for a, b in zip((K, V, out), before))
+
+
+def test_the_engine_s_attend_stores_the_step_s_k_v_and_writes_into_the_out_it_is_given():
+    """`vattn.attention.attend` over a StepBatch: the native kernel appends,
+    the cache records the write; an `out` that does not fit q is refused
+    before anything is stored."""
+    heads, kv_heads, dim = 6, 2, 64
+    cache, K, V = cache_views("per_layer", heads, kv_heads, dim, [20, 7], torch.float32, max_seq_len=64)
+    g = torch.Generator().manual_seed(7)
+    for slot, n, grown in ((0, 20, 21), (1, 7, 11)):
+        cache.grow(slot, grown)
+        cache.write(0, [slot], [0], *(torch.randn(1, n, kv_heads, dim, generator=g) for _ in "kv"))  # layer 0 too
+    q, k, v = (torch.randn(5, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    batch = StepBatch(cache, [0], [20], [(1, 7, 4)])  # a decode token, then a 4-token chunk
+    assert batch.kernel.name == "native" and batch.kernel.stores_kv
+    before = K.clone(), V.clone()
+    with pytest.raises(ValueError, match=r"out is torch.float32 \(5, 6, 32\)"):
+        attention.attend(batch, 1, q, k, v, 0.125, 0, torch.empty(5, heads, 32))
+    assert torch.equal(K, before[0]) and torch.equal(V, before[1])
+    out = torch.full_like(q, 7.0)
+    assert attention.attend(batch, 1, q, k, v, 0.125, 0, out) is out
+    assert torch.equal(K[0, 20], k[0]) and torch.equal(K[1, 7:11], k[1:]) and torch.equal(V[1, 7:11], v[1:])
+    assert cache.length(0, 1) == 21 and cache.length(1, 1) == 11
+    table = requests([(0, 0, 21, 0, 1), (1, 0, 11, 1, 4)])
+    assert close(out, reference(q, K, V, table, 0.125), torch.float32)
 
 
 @pytest.mark.parametrize("isa", supported_isas())

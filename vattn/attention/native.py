@@ -3,8 +3,9 @@ strided views, read in place: one call a layer for the whole forward, every
 decode token and prefill chunk a request reading its slot's rows up to its
 own length (bottom-right causal) and no further, so it never touches an
 unmapped row.  In the engine the same call first stores the forward's new
-K/V at each request's rows (the cache has checked them).  Grouped K/V heads are read once for all their query heads;
-float32 and bfloat16, summed in float32; torch's thread count.
+K/V at each request's rows (the cache has checked them).  Grouped K/V heads
+are read once for all their query heads; float32 and bfloat16, summed in
+float32; torch's thread count.
 """
 from array import array
 from collections.abc import Iterable

@@ -137,9 +137,9 @@ class DecoderForward:
         """`__call__` with the fused kernels: `h` is the residual stream, `x`
         each sublayer's input (the norm of h) and then its output."""
         T, H, G, D = h.shape[0], self.heads, self.kv_heads, self.head_dim
+        take = partial(self._buffers.take, like=h, rows=T)
         x = _fused_norm(h.clone(), self.layers[0].norms[0])
         for layer, after in zip(self.layers, self.layers[1:] + [None]):
-            take = partial(self._buffers.take, like=h, rows=T)
             qkv = _gemm(layer.qkv, x, take("qkv", cols=(H + 2 * G) * D))
             fused.rotate(qkv[:, :(H + G) * D], H + G, cos, sin)
             qkv = qkv.view(T, H + 2 * G, D)
