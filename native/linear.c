@@ -98,12 +98,14 @@ static void panels(const Gemm *g, int64_t p0, int64_t p1) {
         const int per = blocks > 1 ? (int)((share + g->k - 1) / g->k) : 0;
         for (int64_t p = p0; p < p1; p++) {
             const int64_t col = p * PANEL, cols = g->n - col < PANEL ? g->n - col : PANEL;
-            const char *next = p + 1 < p1 ? (const char *)(g->panels + (p + 1) * g->k * PANEL) : NULL;
             for (int64_t r = c, b = 0; r < c + rows; r += size, b++) {
                 const int64_t R = c + rows - r < size ? c + rows - r : size;
-                const int64_t from = b * share < lines ? b * share : lines;
-                const int64_t to = from + share < lines ? from + share : lines;
-                Ahead ahead = {next ? next + 64 * from : NULL, next ? next + 64 * to : NULL, next ? per : 0};
+                Ahead ahead = {0};  /* none past the thread's last panel */
+                if (p + 1 < p1) {
+                    const char *next = (const char *)(g->panels + (p + 1) * g->k * PANEL);
+                    const int64_t from = b * share < lines ? b * share : lines;
+                    ahead = (Ahead){next + 64 * from, next + 64 * (from + share < lines ? from + share : lines), per};
+                }
                 BLOCKS[R](g, g->x + r * g->x_stride, g->panels + p * g->k * PANEL, g->y + r * g->y_stride + col,
                           col, cols, ahead);
             }
