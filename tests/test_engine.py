@@ -148,6 +148,23 @@ def test_smollm2_text_stop_strings_and_streaming(smollm2):
     assert pool_is_whole(engine)
 
 
+def test_each_step_s_text_is_its_own_tokens_decoded_when_read(smollm2):
+    """A step's text, read after later steps, is the text of the tokens it had then; only reading decodes."""
+    model, tokenizer, chats, reference = smollm2
+    engine = LLMEngine(model, tokenizer)
+    engine.add_request(chats[3], greedy(24, ignore_eos=True))
+    decodes = []
+    tokenizer.decode, decode = (lambda *a, **k: decodes.append(a) or decode(*a, **k)), tokenizer.decode
+    try:
+        outs = [o.outputs[0] for o in engine.stream()]
+        assert decodes == [] and len(outs) == 24
+        assert [o.text for o in outs] == [decode(reference[3][:i], skip_special_tokens=True) for i in range(1, 25)]
+        assert len(decodes) == 24
+        assert outs[5].text == outs[5].text and len(decodes) == 24  # decoded once
+    finally:
+        del tokenizer.decode
+
+
 # ---------------------------------------------------------------- sharing
 
 @pytest.mark.parametrize("cache", [{}, dict(kv_cache="paged")], ids=["virtual", "paged"])

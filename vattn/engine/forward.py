@@ -136,30 +136,33 @@ class DecoderForward:
                batch: attention.StepBatch) -> torch.Tensor:
         """`__call__` with the fused kernels: `h` is the residual stream, `x`
         each sublayer's input (the norm of h) and then its output."""
-        T, H, G, D = h.shape[0], self.heads, self.kv_heads, self.head_dim
-        take = partial(self._buffers.take, like=h, rows=T)
+        T, H, G, D, hidden = h.shape[0], self.heads, self.kv_heads, self.head_dim, h.shape[1]
+        take = partial(self._buffers.take, like=h)
+        # every layer writes the same rows: each site's taken once a step
+        qkv = take("qkv", rows=T, cols=(H + 2 * G) * D)
+        out = take("attention", rows=T, cols=H * D)
+        o, down = take("o", rows=T, cols=hidden), take("down", rows=T, cols=hidden)
+        gate_up, act = take("gate_up", rows=T, cols=2 * self.intermediate), take("act", rows=T, cols=self.intermediate)
+        q, k, v = qkv.view(T, H + 2 * G, D).split((H, G, G), 1)
+        qk, heads = qkv[:, :(H + G) * D], out.view(T, H, D)
         x = _fused_norm(h.clone(), self.layers[0].norms[0])
         for layer, after in zip(self.layers, self.layers[1:] + [None]):
-            qkv = _gemm(layer.qkv, x, take("qkv", cols=(H + 2 * G) * D))
-            fused.rotate(qkv[:, :(H + G) * D], H + G, cos, sin)
-            qkv = qkv.view(T, H + 2 * G, D)
-            out = attention.attend(batch, layer.index, qkv[:, :H], qkv[:, H:H + G], qkv[:, H + G:], layer.scaling,
-                                   layer.window, take("attention", cols=H * D).view(T, H, D))
+            _gemm(layer.qkv, x, qkv)
+            fused.rotate(qk, H + G, cos, sin)
+            attention.attend(batch, layer.index, q, k, v, layer.scaling, layer.window, heads)
             if after is None:  # past the last layer's K/V only the rows that sample are read
                 T = rows.shape[0]
-                take = partial(self._buffers.take, like=h, rows=T)
-                out = torch.index_select(out.view(-1, H * D), 0, rows, out=take("sampling", cols=H * D))
-                h = torch.index_select(h, 0, rows, out=take("residual", cols=h.shape[1]))
-            x = _fused_norm(_gemm(layer.o_proj, out.reshape(T, -1), take("o", cols=h.shape[1])), layer.norms[1], h)
-            gate_up = _gemm(layer.gate_up, x, take("gate_up", cols=2 * self.intermediate))
-            x = _gemm(layer.down_proj, fused.silu_mul(gate_up, take("act", cols=self.intermediate)),
-                      take("down", cols=h.shape[1]))
+                out = torch.index_select(out, 0, rows, out=take("sampling", rows=T, cols=H * D))
+                h = torch.index_select(h, 0, rows, out=take("residual", rows=T, cols=hidden))
+                o, gate_up, act, down = o[:T], gate_up[:T], act[:T], down[:T]
+            x = _fused_norm(_gemm(layer.o_proj, out, o), layer.norms[1], h)
+            x = _gemm(layer.down_proj, fused.silu_mul(_gemm(layer.gate_up, x, gate_up), act), down)
             if after is None:
                 h += x
             else:
                 _fused_norm(x, after.norms[0], h)
         head = self.model.lm_head
-        return _gemm(head, _fused_norm(h, self.inner.norm), self._buffers.take("logits", h, T, head.out_features))
+        return _gemm(head, _fused_norm(h, self.inner.norm), take("logits", rows=T, cols=head.out_features))
 
     def _cos_sin(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's rotary cos and sin `[T, D]` at `positions`, sin's first half negated (`_rotate`)."""
@@ -186,8 +189,11 @@ class _Buffers:
 
 
 def _gemm(linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """linear(x), written into `out` where vattn's GEMM runs it (`Linear` packed "native")."""
-    return linear(x, out) if isinstance(linear, Linear) else linear(x)
+    """linear(x) in `out`: written there by vattn's GEMM (`Linear` packed "native", called past
+    `nn.Module`'s hook machinery: the forward runs no hooks), copied there from any other."""
+    if isinstance(linear, Linear) and linear.packing == "native":
+        return linear.forward(x, out)
+    return out.copy_(linear(x))
 
 
 def _rms_norm(norm: nn.Module, rows: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -9,6 +9,7 @@ import itertools
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
@@ -221,15 +222,15 @@ class LLMEngine:
         p, token = req.params, seq.token_ids[-1]
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             seq.finish_reason = "stop"
-        elif p.stop and (cut := _stop_cut(self._text(seq.output_ids), p.stop)) is not None:
+        elif p.stop and (cut := _stop_cut(_text(self.tokenizer, seq.output_ids), p.stop)) is not None:
             seq.finish_reason, seq.stop_at = "stop", cut
         elif len(seq.output_ids) >= p.max_tokens or len(seq.token_ids) >= self.config.max_seq_len:
             seq.finish_reason = "length"
 
     def _output(self, req: Request, new: dict[int, int]) -> RequestOutput:
-        completions = [CompletionOutput(s.index, self._text(s.output_ids)[:s.stop_at], s.output_ids,
-                                        s.finish_reason, [new[s.index]] if s.index in new else [])
-                       for s in req.seqs]
+        completions = [CompletionOutput(s.index, partial(_text, self.tokenizer, ids, s.stop_at), ids, s.finish_reason,
+                                        [new[s.index]] if s.index in new else [])
+                       for s in req.seqs for ids in [s.output_ids]]
         metrics = RequestMetrics(req.arrival_time, req.token_times[0], req.finish_time, req.token_times,
                                  len(req.prompt_token_ids), req.num_cached_tokens)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished, metrics)
@@ -250,9 +251,6 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         return text, ids
 
-    def _text(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-
     def close(self) -> None:
         """Stop the mapping thread, give back the memory idle slots hold, give
         the model its own linears and attention back, and stop the other
@@ -267,6 +265,11 @@ class LLMEngine:
                     self.group.send(Message(self.kv.take(), query="stop"))
             finally:
                 self.group.shutdown()
+
+
+def _text(tokenizer, ids: list[int], stop_at: int | None = None) -> str:
+    """The text of `ids`, its first `stop_at` characters (None: all)."""
+    return tokenizer.decode(ids, skip_special_tokens=True)[:stop_at] if tokenizer is not None else ""
 
 
 def _stop_cut(text: str, stops: list[str]) -> int | None:

@@ -1,6 +1,7 @@
 """Requests, their sequences (one per sample) and what the engine hands back."""
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -80,13 +81,33 @@ class Request:
         return all(s.finished for s in self.seqs)
 
 
-@dataclass(slots=True)
 class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    new_token_ids: list[int] = field(default_factory=list)  # came out in the step that returned this
+    """One sample's output.  `text` may be given as a function of nothing that
+    decodes it: it is then decoded when first read, so a step does not decode
+    every sequence's whole text again for callers that read only token ids."""
+
+    __slots__ = ("index", "_text", "token_ids", "finish_reason", "new_token_ids")
+
+    def __init__(self, index: int, text: str | Callable[[], str], token_ids: list[int], finish_reason: str | None,
+                 new_token_ids: list[int] | None = None):
+        self.index, self._text, self.token_ids, self.finish_reason = index, text, token_ids, finish_reason
+        self.new_token_ids = [] if new_token_ids is None else new_token_ids  # came out in the step that returned this
+
+    @property
+    def text(self) -> str:
+        if not isinstance(self._text, str):
+            self._text = self._text()
+        return self._text
+
+    def _fields(self) -> tuple:
+        return self.index, self.text, self.token_ids, self.finish_reason, self.new_token_ids
+
+    def __eq__(self, other) -> bool:
+        return self._fields() == other._fields() if isinstance(other, CompletionOutput) else NotImplemented
+
+    def __repr__(self) -> str:
+        return "CompletionOutput(index={!r}, text={!r}, token_ids={!r}, finish_reason={!r}, new_token_ids={!r})".format(
+            *self._fields())
 
 
 @dataclass(slots=True)
