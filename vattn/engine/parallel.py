@@ -164,6 +164,8 @@ def launch(size: int, model, settings: dict, device_type: str = "cpu") -> Group:
         group = Group(dist.get_rank(), size)
         if group.rank != 0:
             serve(group, model, settings)
+            # destroyed before the interpreter's finalization, which gloo's threads do not survive (SIGABRT)
+            dist.destroy_process_group()
             sys.exit(0)
         return group
     port = _free_port()
