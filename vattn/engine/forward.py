@@ -139,16 +139,15 @@ class DecoderForward:
         T, H, G, D, hidden = h.shape[0], self.heads, self.kv_heads, self.head_dim, h.shape[1]
         take = partial(self._buffers.take, like=h)
         # every layer writes the same rows: each site's taken once a step
-        qkv = take("qkv", rows=T, cols=(H + 2 * G) * D)
-        out = take("attention", rows=T, cols=H * D)
+        qkv, out = take("qkv", rows=T, cols=(H + 2 * G) * D), take("attention", rows=T, cols=H * D)
         o, down = take("o", rows=T, cols=hidden), take("down", rows=T, cols=hidden)
         gate_up, act = take("gate_up", rows=T, cols=2 * self.intermediate), take("act", rows=T, cols=self.intermediate)
-        q, k, v = qkv.view(T, H + 2 * G, D).split((H, G, G), 1)
-        qk, heads = qkv[:, :(H + G) * D], out.view(T, H, D)
+        heads = out.view(T, H, D)
         x = _fused_norm(h.clone(), self.layers[0].norms[0])
         for layer, after in zip(self.layers, self.layers[1:] + [None]):
-            _gemm(layer.qkv, x, qkv)
-            fused.rotate(qk, H + G, cos, sin)
+            y = _gemm(layer.qkv, x, qkv)
+            fused.rotate(y[:, :(H + G) * D], H + G, cos, sin)
+            q, k, v = y.view(T, H + 2 * G, D).split((H, G, G), 1)
             attention.attend(batch, layer.index, q, k, v, layer.scaling, layer.window, heads)
             if after is None:  # past the last layer's K/V only the rows that sample are read
                 T = rows.shape[0]
@@ -189,11 +188,9 @@ class _Buffers:
 
 
 def _gemm(linear: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """linear(x) in `out`: written there by vattn's GEMM (`Linear` packed "native", called past
-    `nn.Module`'s hook machinery: the forward runs no hooks), copied there from any other."""
-    if isinstance(linear, Linear) and linear.packing == "native":
-        return linear.forward(x, out)
-    return out.copy_(linear(x))
+    """linear(x), written into `out` where vattn's GEMM runs it (`Linear` packed "native"); a
+    `Linear` is called past `nn.Module`'s hook machinery (the forward runs no hooks)."""
+    return linear.forward(x, out) if isinstance(linear, Linear) else linear(x)
 
 
 def _rms_norm(norm: nn.Module, rows: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
