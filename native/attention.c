@@ -48,6 +48,7 @@ enum { BLOCK = 32, TILE = 32, MAX_HEAD_DIM = 256, MIN_SPLIT = 128, SERIAL_ROWS =
 enum { ACROSS = TILE / 2 };  /* tiles of more queries than this take them in lanes (probs_across) */
 enum { F32 = 0, BF16 = 1 };
 enum { REQ_SLOT, REQ_START, REQ_LENGTH, REQ_Q_FIRST, REQ_NUM_Q, REQ_FIELDS };
+_Static_assert((int)REQ_FIELDS == (int)ATTEND_FIELDS, "the request table's fields");
 
 /* ------------------------------------------------------------ vector helpers */
 
@@ -219,13 +220,7 @@ static void run_parallel(Call *c, int threads) {
 
 /* ------------------------------------------------------------ checking and planning */
 
-typedef struct {
-    unsigned long long ptr;
-    int dtype;
-    long long shape[4], stride[4];
-} View;
-
-static int parse_view(PyObject *arg, const char *name, int ndim, View *v) {
+int parse_view(PyObject *arg, const char *name, int ndim, View *v) {
     const char *format = ndim == 3 ? "KiLLLLLL" : "KiLLLLLLLL";
     int ok = ndim == 3 ? PyArg_ParseTuple(arg, format, &v->ptr, &v->dtype, &v->shape[0], &v->shape[1],
                                           &v->shape[2], &v->stride[0], &v->stride[1], &v->stride[2])
@@ -400,70 +395,70 @@ static int plan(Call *c, int threads, Tile **tiles_out, float **partials_out) {
     return (int)(rows >= SERIAL_ROWS);  /* worth the other threads */
 }
 
+int attend_table(const Py_buffer *table, int64_t *n) {
+    if (table->len % (REQ_FIELDS * sizeof(int64_t)))
+        return FAIL("requests: %d int64 fields each (slot, start, length, q_first, num_q)", REQ_FIELDS);
+    *n = table->len / (REQ_FIELDS * sizeof(int64_t));
+    return 0;
+}
+
+int attend_check(const View *q, const View *out, const View *k, const View *v, const View *nk, const View *nv,
+                 const int64_t *reqs, int64_t n, long long window, int threads) {
+    if ((nk == NULL) != (nv == NULL)) return FAIL("new_k and new_v come together");
+    if (nk && check_new(nk, nv, q, k)) return -1;
+    if (threads < 1) return FAIL("threads must be at least 1, got %d", threads);
+    return check(q, out, k, v, reqs, n, window);
+}
+
+int attend_run(const View *q, const View *out, const View *k, const View *v, const View *nk, const View *nv,
+               const int64_t *reqs, int64_t n, double scale, long long window, int threads) {
+    Call c = {
+        .q = (const char *)(uintptr_t)q->ptr, .k = (const char *)(uintptr_t)k->ptr,
+        .v = (const char *)(uintptr_t)v->ptr, .out = (char *)(uintptr_t)out->ptr, .bf16 = q->dtype == BF16,
+        .D = q->shape[2], .Hkv = k->shape[2], .G = q->shape[1] / k->shape[2], .q_token = q->stride[0],
+        .q_head = q->stride[1], .out_token = out->stride[0], .out_head = out->stride[1], .k_slot = k->stride[0],
+        .k_row = k->stride[1], .k_head = k->stride[2], .v_slot = v->stride[0], .v_row = v->stride[1],
+        .v_head = v->stride[2], .reqs = reqs, .num_reqs = n, .window = window, .scale = (float)scale,
+    };
+    atomic_init(&c.next, 0);
+    Tile *tiles;
+    float *partials;
+    int parallel = plan(&c, threads, &tiles, &partials);
+    if (parallel < 0) return -1;
+    if (nk) append(&c, nk, nv);
+    if (parallel && threads > 1)
+        run_parallel(&c, threads);
+    else
+        run_items_isa(&c);
+    for (int64_t i = 0; i < c.num_items; i++)
+        if (c.items[i].split == 0 && c.items[i].tile->splits > 1) merge(&c, c.items[i].tile);
+    free(tiles);
+    free(partials);
+    free(c.items);
+    return 0;
+}
+
 PyObject *attend(PyObject *mod, PyObject *args) {
     PyObject *qa, *outa, *ka, *va, *nka = Py_None, *nva = Py_None;
     Py_buffer reqs;
     double scale;
     long long window;
-    int threads;
+    int threads, failed;
     if (!PyArg_ParseTuple(args, "OOOOy*dLi|OO", &qa, &outa, &ka, &va, &reqs, &scale, &window, &threads, &nka, &nva))
         return NULL;
-    View q, out, k, v, nk, nv;
+    View q, out, k, v, new_k, new_v;
+    const View *nk = nka == Py_None ? NULL : &new_k, *nv = nva == Py_None ? NULL : &new_v;
     PyObject *result = NULL;
-    int appends = nka != Py_None;
     if (parse_view(qa, "q", 3, &q) || parse_view(outa, "out", 3, &out) || parse_view(ka, "k", 4, &k) ||
-        parse_view(va, "v", 4, &v))
+        parse_view(va, "v", 4, &v) || (nk && parse_view(nka, "new_k", 3, &new_k)) ||
+        (nv && parse_view(nva, "new_v", 3, &new_v)))
         goto done;
-    if ((nka == Py_None) != (nva == Py_None)) {
-        PyErr_SetString(PyExc_ValueError, "new_k and new_v come together");
-        goto done;
-    }
-    if (appends && (parse_view(nka, "new_k", 3, &nk) || parse_view(nva, "new_v", 3, &nv) ||
-                    check_new(&nk, &nv, &q, &k)))
-        goto done;
-    if (reqs.len % (REQ_FIELDS * sizeof(int64_t))) {
-        PyErr_Format(PyExc_ValueError, "requests: %d int64 fields each (slot, start, length, q_first, num_q)",
-                     REQ_FIELDS);
-        goto done;
-    }
-    int64_t n = reqs.len / (REQ_FIELDS * sizeof(int64_t));
-    if (threads < 1) {
-        PyErr_Format(PyExc_ValueError, "threads must be at least 1, got %d", threads);
-        goto done;
-    }
-    if (check(&q, &out, &k, &v, reqs.buf, n, window)) goto done;
-    Call c = {
-        .q = (const char *)(uintptr_t)q.ptr, .k = (const char *)(uintptr_t)k.ptr,
-        .v = (const char *)(uintptr_t)v.ptr, .out = (char *)(uintptr_t)out.ptr, .bf16 = q.dtype == BF16,
-        .D = q.shape[2], .Hkv = k.shape[2],
-        .G = q.shape[1] / k.shape[2], .q_token = q.stride[0], .q_head = q.stride[1], .out_token = out.stride[0],
-        .out_head = out.stride[1], .k_slot = k.stride[0], .k_row = k.stride[1], .k_head = k.stride[2],
-        .v_slot = v.stride[0], .v_row = v.stride[1], .v_head = v.stride[2], .reqs = reqs.buf, .num_reqs = n,
-        .window = window, .scale = (float)scale,
-    };
-    atomic_init(&c.next, 0);
-    Tile *tiles;
-    float *partials;
-    int parallel;
+    int64_t n;
+    if (attend_table(&reqs, &n) || attend_check(&q, &out, &k, &v, nk, nv, reqs.buf, n, window, threads)) goto done;
     Py_BEGIN_ALLOW_THREADS
-    parallel = plan(&c, threads, &tiles, &partials);
-    if (parallel >= 0 && appends) append(&c, &nk, &nv);
-    if (parallel > 0 && threads > 1)
-        run_parallel(&c, threads);
-    else if (parallel >= 0)
-        run_items_isa(&c);
-    if (parallel >= 0) {
-        for (int64_t i = 0; i < c.num_items; i++)
-            if (c.items[i].split == 0 && c.items[i].tile->splits > 1) merge(&c, c.items[i].tile);
-        free(tiles);
-        free(partials);
-        free(c.items);
-    }
+    failed = attend_run(&q, &out, &k, &v, nk, nv, reqs.buf, n, scale, window, threads);
     Py_END_ALLOW_THREADS
-    if (parallel < 0)
-        PyErr_NoMemory();
-    else
-        result = Py_NewRef(Py_None);
+    result = failed ? PyErr_NoMemory() : Py_NewRef(Py_None);
 done:
     PyBuffer_Release(&reqs);
     return result;

@@ -115,43 +115,54 @@ static void panels(const Gemm *g, int64_t p0, int64_t p1) {
 
 /* ------------------------------------------------------------ the call */
 
-#define FAIL(...) (PyErr_Format(PyExc_ValueError, __VA_ARGS__), NULL)
-#define FLOATS(r) ((float *)(uintptr_t)(r).ptr)
+#define FAIL(...) (PyErr_Format(PyExc_ValueError, __VA_ARGS__), -1)
+#define FLOATS(r) ((float *)(uintptr_t)(r)->ptr)
 
-PyObject *linear_serves(PyObject *mod, PyObject *noargs) {
+static int has_avx512(void) {
     __builtin_cpu_init();
-    return PyBool_FromLong(__builtin_cpu_supports("avx512f"));
+    return __builtin_cpu_supports("avx512f");
+}
+
+PyObject *linear_serves(PyObject *mod, PyObject *noargs) { return PyBool_FromLong(has_avx512()); }
+
+int linear_check(const Rows *y, const Rows *x, const Rows *w, const Rows *b) {
+    if (!has_avx512()) return FAIL("linear runs on CPUs with AVX-512; this one has none");
+    const int64_t n = y->cols, k = x->cols, num_panels = (n + PANEL - 1) / PANEL;
+    if (y->rows != x->rows) return FAIL("out has %lld rows; x has %lld", y->rows, x->rows);
+    if (w->cols != PANEL || w->stride != PANEL || w->rows != num_panels * k)
+        return FAIL("panels are %lld x %lld (row stride %lld); %lld outputs of %lld inputs take %lld x %d", w->rows,
+                    w->cols, w->stride, (long long)n, (long long)k, (long long)(num_panels * k), PANEL);
+    if (b && (b->rows != 1 || b->cols != n))
+        return FAIL("bias is %lld x %lld; out has %lld columns", b->rows, b->cols, (long long)n);
+    return 0;
+}
+
+void linear_run(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int threads) {
+    const int64_t n = y->cols, k = x->cols, num_panels = (n + PANEL - 1) / PANEL;
+    Gemm g = {.x = FLOATS(x), .panels = FLOATS(w), .bias = b ? FLOATS(b) : NULL, .y = FLOATS(y), .rows = x->rows,
+              .n = n, .k = k, .x_stride = x->stride, .y_stride = y->stride};
+    if (threads < 2 || num_panels < 2 || x->rows * n * k < PARALLEL_MACS) {
+        panels(&g, 0, num_panels);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+        panels(&g, num_panels * t / nt, num_panels * (t + 1) / nt);
+    }
 }
 
 PyObject *linear(PyObject *mod, PyObject *args) {
     PyObject *ya, *xa, *pa, *ba;
     int threads;
-    Rows y, x, w, b = {0};
+    Rows y, x, w, bias;
     if (!PyArg_ParseTuple(args, "OOOOi", &ya, &xa, &pa, &ba, &threads)) return NULL;
+    const Rows *b = ba == Py_None ? NULL : &bias;
     if (parse_rows(ya, "out", &y) || parse_rows(xa, "x", &x) || parse_rows(pa, "panels", &w) ||
-        (ba != Py_None && parse_rows(ba, "bias", &b)))
+        (b && parse_rows(ba, "bias", &bias)) || linear_check(&y, &x, &w, b))
         return NULL;
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx512f")) return FAIL("linear runs on CPUs with AVX-512; this one has none");
-    const int64_t n = y.cols, k = x.cols, num_panels = (n + PANEL - 1) / PANEL;
-    if (y.rows != x.rows) return FAIL("out has %lld rows; x has %lld", y.rows, x.rows);
-    if (w.cols != PANEL || w.stride != PANEL || w.rows != num_panels * k)
-        return FAIL("panels are %lld x %lld (row stride %lld); %lld outputs of %lld inputs take %lld x %d", w.rows,
-                    w.cols, w.stride, n, k, num_panels * k, PANEL);
-    if (ba != Py_None && (b.rows != 1 || b.cols != n)) return FAIL("bias is %lld x %lld; out has %lld columns",
-                                                                 b.rows, b.cols, n);
-    Gemm g = {.x = FLOATS(x), .panels = FLOATS(w), .bias = ba != Py_None ? FLOATS(b) : NULL, .y = FLOATS(y),
-              .rows = x.rows, .n = n, .k = k, .x_stride = x.stride, .y_stride = y.stride};
     Py_BEGIN_ALLOW_THREADS
-    if (threads < 2 || num_panels < 2 || x.rows * n * k < PARALLEL_MACS) {
-        panels(&g, 0, num_panels);
-    } else {
-#pragma omp parallel num_threads(threads)
-        {
-            int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-            panels(&g, num_panels * t / nt, num_panels * (t + 1) / nt);
-        }
-    }
+    linear_run(&y, &x, &w, b, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

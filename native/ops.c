@@ -142,25 +142,64 @@ int parse_rows(PyObject *arg, const char *name, Rows *r) {
     return 0;
 }
 
-#define FAIL(...) (PyErr_Format(PyExc_ValueError, __VA_ARGS__), NULL)
-#define FLOATS(r) ((float *)(uintptr_t)(r).ptr)
+#define FAIL(...) (PyErr_Format(PyExc_ValueError, __VA_ARGS__), -1)
+#define FLOATS(r) ((float *)(uintptr_t)(r)->ptr)
+
+int norm_check(const Rows *x, const Rows *residual, const Rows *w) {
+    if (w->rows != 1 || w->cols != x->cols)
+        return FAIL("weight is %lld x %lld; x's rows have %lld", w->rows, w->cols, x->cols);
+    if (residual && (residual->rows != x->rows || residual->cols != x->cols))
+        return FAIL("residual is %lld x %lld; x is %lld x %lld", residual->rows, residual->cols, x->rows, x->cols);
+    return 0;
+}
+
+void norm_run(const Rows *x, const Rows *residual, const Rows *w, float eps, int threads) {
+    Args a = {.x = FLOATS(x), .y = residual ? FLOATS(residual) : NULL, .w = FLOATS(w), .x_stride = x->stride,
+              .y_stride = residual ? residual->stride : 0, .cols = x->cols, .eps = eps};
+    for_rows(norm_rows, &a, x->rows, x->rows * x->cols, threads);
+}
+
+int silu_mul_check(const Rows *out, const Rows *gate_up) {
+    if (gate_up->rows != out->rows || gate_up->cols != 2 * out->cols)
+        return FAIL("gate_up is %lld x %lld; out is %lld x %lld (half as wide)", gate_up->rows, gate_up->cols,
+                    out->rows, out->cols);
+    return 0;
+}
+
+void silu_mul_run(const Rows *out, const Rows *gate_up, int threads) {
+    Args a = {.x = FLOATS(out), .y = FLOATS(gate_up), .x_stride = out->stride, .y_stride = gate_up->stride,
+              .cols = out->cols};
+    for_rows(silu_mul_rows, &a, out->rows, gate_up->rows * gate_up->cols, threads);
+}
+
+int rotate_check(const Rows *x, long long heads, const Rows *cos, const Rows *sin) {
+    if (heads < 1 || x->cols % heads) return FAIL("%lld floats a row do not split into %lld heads", x->cols, heads);
+    const long long dim = x->cols / heads;
+    if (dim % 2 || dim > 256) return FAIL("head dim %lld: rotate takes even ones up to 256", dim);
+    if (cos->rows != x->rows || sin->rows != x->rows || cos->cols != dim || sin->cols != dim)
+        return FAIL("cos and sin are %lld x %lld and %lld x %lld; x has %lld rows of heads of %lld", cos->rows,
+                    cos->cols, sin->rows, sin->cols, x->rows, dim);
+    return 0;
+}
+
+void rotate_run(const Rows *x, long long heads, const Rows *cos, const Rows *sin, int threads) {
+    Args a = {.x = FLOATS(x), .cos = FLOATS(cos), .sin = FLOATS(sin), .x_stride = x->stride,
+              .cos_stride = cos->stride, .sin_stride = sin->stride, .cols = x->cols, .heads = heads};
+    for_rows(rotate_rows, &a, x->rows, x->rows * x->cols, threads);
+}
 
 PyObject *rms_norm(PyObject *mod, PyObject *args) {
     PyObject *xa, *ra, *wa;
     double eps;
     int threads;
-    Rows x, res = {0}, w;
+    Rows x, res, w;
     if (!PyArg_ParseTuple(args, "OOOdi", &xa, &ra, &wa, &eps, &threads)) return NULL;
-    if (parse_rows(xa, "x", &x) || (ra != Py_None && parse_rows(ra, "residual", &res)) || parse_rows(wa, "weight", &w))
+    const Rows *residual = ra == Py_None ? NULL : &res;
+    if (parse_rows(xa, "x", &x) || (residual && parse_rows(ra, "residual", &res)) || parse_rows(wa, "weight", &w) ||
+        norm_check(&x, residual, &w))
         return NULL;
-    if (w.rows != 1 || w.cols != x.cols)
-        return FAIL("weight is %lld x %lld; x's rows have %lld", w.rows, w.cols, x.cols);
-    if (ra != Py_None && (res.rows != x.rows || res.cols != x.cols))
-        return FAIL("residual is %lld x %lld; x is %lld x %lld", res.rows, res.cols, x.rows, x.cols);
-    Args a = {.x = FLOATS(x), .y = ra != Py_None ? FLOATS(res) : NULL, .w = FLOATS(w), .x_stride = x.stride,
-              .y_stride = res.stride, .cols = x.cols, .eps = (float)eps};
     Py_BEGIN_ALLOW_THREADS
-    for_rows(norm_rows, &a, x.rows, x.rows * x.cols, threads);
+    norm_run(&x, residual, &w, (float)eps, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -170,13 +209,9 @@ PyObject *silu_mul(PyObject *mod, PyObject *args) {
     int threads;
     Rows out, gu;
     if (!PyArg_ParseTuple(args, "OOi", &oa, &ga, &threads)) return NULL;
-    if (parse_rows(oa, "out", &out) || parse_rows(ga, "gate_up", &gu)) return NULL;
-    if (gu.rows != out.rows || gu.cols != 2 * out.cols)
-        return FAIL("gate_up is %lld x %lld; out is %lld x %lld (half as wide)", gu.rows, gu.cols, out.rows, out.cols);
-    Args a = {.x = FLOATS(out), .y = FLOATS(gu), .x_stride = out.stride, .y_stride = gu.stride,
-              .cols = out.cols};
+    if (parse_rows(oa, "out", &out) || parse_rows(ga, "gate_up", &gu) || silu_mul_check(&out, &gu)) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    for_rows(silu_mul_rows, &a, out.rows, gu.rows * gu.cols, threads);
+    silu_mul_run(&out, &gu, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -187,17 +222,11 @@ PyObject *rotate(PyObject *mod, PyObject *args) {
     int threads;
     Rows x, cos, sin;
     if (!PyArg_ParseTuple(args, "OLOOi", &xa, &heads, &ca, &sa, &threads)) return NULL;
-    if (parse_rows(xa, "x", &x) || parse_rows(ca, "cos", &cos) || parse_rows(sa, "sin", &sin)) return NULL;
-    if (heads < 1 || x.cols % heads) return FAIL("%lld floats a row do not split into %lld heads", x.cols, heads);
-    const long long dim = x.cols / heads;
-    if (dim % 2 || dim > 256) return FAIL("head dim %lld: rotate takes even ones up to 256", dim);
-    if (cos.rows != x.rows || sin.rows != x.rows || cos.cols != dim || sin.cols != dim)
-        return FAIL("cos and sin are %lld x %lld and %lld x %lld; x has %lld rows of heads of %lld", cos.rows,
-                    cos.cols, sin.rows, sin.cols, x.rows, dim);
-    Args a = {.x = FLOATS(x), .cos = FLOATS(cos), .sin = FLOATS(sin), .x_stride = x.stride, .cos_stride = cos.stride,
-              .sin_stride = sin.stride, .cols = x.cols, .heads = heads};
+    if (parse_rows(xa, "x", &x) || parse_rows(ca, "cos", &cos) || parse_rows(sa, "sin", &sin) ||
+        rotate_check(&x, heads, &cos, &sin))
+        return NULL;
     Py_BEGIN_ALLOW_THREADS
-    for_rows(rotate_rows, &a, x.rows, x.rows * x.cols, threads);
+    rotate_run(&x, heads, &cos, &sin, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

@@ -22,3 +22,14 @@ typedef struct {
 
 /* Rows from its tuple; -1 with a Python error set where it is not one */
 int parse_rows(PyObject *arg, const char *name, Rows *r);
+
+/* Each call above as its check (-1 with a ValueError set; needs the GIL) and its work (none: runs with
+ * the GIL released).  A residual or bias of NULL: none. */
+int norm_check(const Rows *x, const Rows *residual, const Rows *w);
+void norm_run(const Rows *x, const Rows *residual, const Rows *w, float eps, int threads);
+int silu_mul_check(const Rows *out, const Rows *gate_up);
+void silu_mul_run(const Rows *out, const Rows *gate_up, int threads);
+int rotate_check(const Rows *x, long long heads, const Rows *cos, const Rows *sin);
+void rotate_run(const Rows *x, long long heads, const Rows *cos, const Rows *sin, int threads);
+int linear_check(const Rows *y, const Rows *x, const Rows *w, const Rows *b);
+void linear_run(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int threads);

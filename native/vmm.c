@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include "attention.h"
+#include "decoder.h"
 #include "dlpack.h"
 #include "ops.h"
 
@@ -505,13 +506,17 @@ static PyMethodDef methods[] = {
      "linear(out, x, panels, bias, threads): out <- x W^T + bias (None: no bias), W packed in panels of "
      "LINEAR_PANEL columns."},
     {"linear_serves", linear_serves, METH_NOARGS, "Whether this CPU runs linear() (it needs AVX-512)."},
+    {"decoder_layers", decoder_layers, METH_VARARGS,
+     "decoder_layers(layers, residual, x, qkv, attention, o, gate_up, act, down, cos, sin, requests, sampled, heads, "
+     "threads): every decoder layer of a step, the calls above in turn; the sampled rows' residual stream left in "
+     "the residual's first rows."},
     {NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "vattn._native",
                                     "Host virtual-memory primitives (mmap + memfd), DLPack capsules over raw memory, "
-                                    "CPU attention over strided K/V, the engine forward's fused elementwise operators "
-                                    "and its float32 GEMM.",
+                                    "CPU attention over strided K/V, the engine forward's fused elementwise operators, "
+                                    "its float32 GEMM, and its decoder layers in one call.",
                                     -1, methods};
 
 PyMODINIT_FUNC PyInit__native(void) {

@@ -12,7 +12,7 @@ from transformers import GenerationConfig
 
 from vattn import PagedKVCache, SamplingParams
 from vattn.bench.soak import failures, pool_is_whole, soak
-from vattn.engine import LLMEngine
+from vattn.engine import LLMEngine, forward
 from vattn.engine.request import Status
 
 PROMPT_LENS = (3, 17, 40, 9, 70, 33)
@@ -253,17 +253,22 @@ def test_a_failing_forward_changes_nothing(tiny, monkeypatch, own_forward):
     model, reference = tiny
     engine = engine_for(model, own_forward=own_forward)
     ids = [engine.add_request(p, greedy()) for p in prompts()]
-    down = model.model.layers[1].mlp.down_proj  # what both forwards call
+    down = model.model.layers[1].mlp.down_proj  # what the model's forward and the layer loop in Python call
     calls = {"n": 0}
-    original = down.forward
 
-    def flaky(x, *out):
-        calls["n"] += 1
-        if calls["n"] in (5, 9):
-            raise RuntimeError("injected failure")
-        return original(x, *out)
+    def flaky(call):
+        def failing(*args):
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise RuntimeError("injected failure")
+            out = call(*args)
+            if calls["n"] == 9:  # after the call's work: some K/V stored, then the step fails
+                raise RuntimeError("injected failure")
+            return out
+        return failing
 
-    monkeypatch.setattr(down, "forward", flaky)
+    monkeypatch.setattr(down, "forward", flaky(down.forward))
+    monkeypatch.setattr(forward._native, "decoder_layers", flaky(forward._native.decoder_layers))  # every layer
     done, failures = {}, 0
     while engine.has_unfinished_requests():
         try:

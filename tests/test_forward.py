@@ -2,6 +2,10 @@
 for bit on every step (within float32 rounding with its elementwise work
 fused), and the model's own forward wherever it would not be transformers'
 arithmetic."""
+import ctypes
+from array import array
+
+import numpy as np
 import pytest
 import torch
 from test_engine import engine_for, greedy, hf_greedy, prompts, run
@@ -9,7 +13,8 @@ from test_linears import unknown_architecture
 from tiny_models import SMALL, TINY, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from vattn import SamplingParams
+from vattn import SamplingParams, _native
+from vattn.engine import forward, gemm
 from vattn.engine.forward import DecoderForward
 
 
@@ -69,9 +74,104 @@ def test_the_fused_forward_writes_into_the_same_buffers_every_step():
     engine.runner.decoder = step
     out = run(engine, [(p, greedy(12)) for p in prompts([40, 50])])
     assert out == [[hf_greedy(tiny_model("llama", "sdpa"), p, 12)] for p in prompts([40, 50])]
-    assert set(seen[0]) == {"qkv", "attention", "sampling", "residual", "o", "gate_up", "act", "down", "logits"}
+    sites = {"qkv", "attention", "o", "gate_up", "act", "down", "logits"}
+    if gemm.serves(torch.ones(1, 1)):  # every layer in one native call, its sampled rows gathered in place
+        assert decoder._one_call[1] is not None and set(seen[0]) == sites | {"x"}
+    else:
+        assert set(seen[0]) == sites | {"sampling", "residual"}
     # grown at most while both requests start (their prefill, then both sampling); reused since
     assert len(seen) > 10 and all(buffers == seen[2] for buffers in seen[2:])
+
+
+def layer_loop_logits(decoder, ids, positions, rows, batch) -> torch.Tensor:
+    """The fused forward's logits by its layer loop in Python, the native call set aside."""
+    kept, decoder._one_call = decoder._one_call, (batch.cache, None, [])
+    try:
+        return DecoderForward.__call__(decoder, ids, positions, rows, batch).clone()
+    finally:
+        decoder._one_call = kept
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_every_layer_in_one_native_call_gives_the_layer_loops_logits_bit_for_bit(arch):
+    """Where vattn's GEMM runs (AVX-512), the fused forward's layers run in one
+    native call: the same kernels in the same order as its loop in Python."""
+    model = tiny_model(arch, "sdpa")
+    reference = [[hf_greedy(model, p, 30)] for p in prompts()]
+    engine = engine_for(model)
+    decoder, equal = engine.runner.decoder, []
+
+    def step(ids, positions, rows, batch):
+        loop = layer_loop_logits(decoder, ids, positions, rows, batch)
+        logits = DecoderForward.__call__(decoder, ids, positions, rows, batch)  # stores the same K/V again
+        equal.append(torch.equal(logits, loop))
+        return logits
+
+    engine.runner.decoder = step
+    reqs = [(p, greedy(30)) for p in prompts()] + [(prompts([20])[0], SamplingParams(max_tokens=12, n=2, seed=3))]
+    out = run(engine, reqs)
+    assert len(equal) > 10 and all(equal)
+    assert (decoder._one_call[1] is not None) == gemm.serves(torch.ones(1, 1))
+    assert out[:len(reference)] == reference
+    engine.close()
+
+
+def _bytes(rows: tuple) -> bytes:
+    """The floats of a (address, rows, columns, row stride) matrix."""
+    address, n, cols, stride = rows
+    return ctypes.string_at(address, ((n - 1) * stride + cols) * 4)
+
+
+@pytest.mark.skipif(not gemm.serves(torch.ones(1, 1)), reason="the native layer call runs where vattn's GEMM does")
+def test_a_bad_native_layer_call_raises_and_writes_nothing(monkeypatch):
+    """Each bad argument is refused before any layer runs: the residual, the
+    step's buffers and the K/V rows the step would store are as they were."""
+    model = tiny_model("llama", "sdpa")
+    reference = [[hf_greedy(model, p, 8)] for p in prompts()]
+    engine = engine_for(model)
+    decoder, real, refused = engine.runner.decoder, _native.decoder_layers, []
+    batches = []
+
+    def step(ids, positions, rows, batch):
+        batches.append(batch)
+        return DecoderForward.__call__(decoder, ids, positions, rows, batch)
+
+    def checked(layers, residual, x, qkv, *rest):
+        table, sampled, heads, threads = rest[-4:]
+        batch = batches[-1]
+        rows_kv = [(k[slot, length - n:length].clone(), v[slot, length - n:length].clone())
+                   for layer in range(len(layers)) for k, v in [batch.cache.layer_kv(layer)]
+                   for slot, _, length, _, n in zip(*[iter(table)] * 5)]
+        before = [_bytes(residual), _bytes(qkv)]
+        wrong_panels = (layers[1][0][0], layers[1][0][1] - 1, *layers[1][0][2:])
+        short = (residual[0], residual[1] - 1, *residual[2:])
+        past = array("q", table)
+        past[2] = 10 ** 6
+        bad = {
+            "layer 1: panels are": ((layers[0], (wrong_panels, *layers[1][1:]), *layers[2:]), residual, x, qkv, *rest),
+            "sampled rows must rise": (layers, residual, x, qkv, *rest[:-3], np.asarray([1, 0]), heads, threads),
+            "length 1000000 is past": (layers, residual, x, qkv, *rest[:-4], past, sampled, heads, threads),
+            "the step's buffers have": (layers, short, x, qkv, *rest),
+            "5 query heads and 2 K/V heads": (layers, residual, x, qkv, *rest[:-2], heads + 1, threads),
+        }
+        for message, args in bad.items() if not refused else ():
+            with pytest.raises(ValueError, match=message):
+                real(*args)
+            assert [_bytes(residual), _bytes(qkv)] == before
+            assert all(torch.equal(k, k2) and torch.equal(v, v2) for (k, v), (k2, v2) in zip(rows_kv, [
+                (k[slot, length - n:length], v[slot, length - n:length])
+                for layer in range(len(layers)) for k, v in [batch.cache.layer_kv(layer)]
+                for slot, _, length, _, n in zip(*[iter(table)] * 5)]))
+            refused.append(message)
+        with pytest.raises(TypeError, match="a layer is"):
+            real((layers[0][:-1],), residual, x, qkv, *rest)
+        return real(layers, residual, x, qkv, *rest)
+
+    monkeypatch.setattr(forward._native, "decoder_layers", checked)
+    engine.runner.decoder = step
+    assert run(engine, [(p, greedy(8)) for p in prompts()]) == reference
+    assert len(refused) == 5
+    engine.close()
 
 
 @pytest.mark.parametrize("arch", list(TINY))

@@ -56,14 +56,27 @@ class StepBatch:
         positions (with `store=False` only check and record it: the kernel
         appends it).  The positions are checked once, for every layer."""
         d = len(self.decode_slots)
-        if self._checked is None:
-            self._checked = ([self.cache.check_writes(self.decode_slots, self.decode_positions, 1)] if d else []) + [
-                self.cache.check_writes([slot], [start], n) for slot, start, n in self.chunks]
-        writes = iter(self._checked)
+        writes = iter(self.checked_writes())
         if d:
             self.cache.store_checked(layer, next(writes), key[:d, None], value[:d, None], store)
         for (_, _, rows), checked in zip(self.prefill_chunks(), writes):
             self.cache.store_checked(layer, checked, key[None, rows], value[None, rows], store)
+
+    def checked_writes(self) -> list:
+        """The step's writes (its decode tokens, then each prefill chunk) as the
+        cache checked them, once for every layer: a ValueError where one may
+        not go where it would."""
+        if self._checked is None:
+            self._checked = ([self.cache.check_writes(self.decode_slots, self.decode_positions, 1)]
+                             if self.decode_slots else []) + [
+                self.cache.check_writes([slot], [start], n) for slot, start, n in self.chunks]
+        return self._checked
+
+    def record(self, layers: range) -> None:
+        """The step's K/V of `layers`, stored by the kernel itself, recorded in
+        the cache's books (`write` with `store=False`, every layer at once)."""
+        for checked in self.checked_writes():
+            self.cache.record_checked(checked, layers)
 
     def requests(self):
         """The native kernel's request table: a request per decode token and per

@@ -46,8 +46,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: array, scal
     in its slot.  A ValueError, with nothing written, for inputs the kernel
     cannot take."""
     out = torch.empty_like(q) if out is None else out
-    new = () if new_k is None and new_v is None else (_view("new_k", new_k, 3), _view("new_v", new_v, 3))
-    _native.attend(_view("q", q, 3), _view("out", out, 3), _view("k", k, 4), _view("v", v, 4), table, scale,
+    new = () if new_k is None and new_v is None else (view("new_k", new_k, 3), view("new_v", new_v, 3))
+    _native.attend(view("q", q, 3), view("out", out, 3), view("k", k, 4), view("v", v, 4), table, scale,
                    window or 0, torch.get_num_threads(), *new)
     return out
 
@@ -59,7 +59,7 @@ def run(b: "StepBatch", layer: int, q, k, v, scaling, window, out) -> None:
     attend(q, K, V, b.requests(), scaling, window, out, k, v)
 
 
-def _view(name: str, t: torch.Tensor, ndim: int) -> tuple:
+def view(name: str, t: torch.Tensor, ndim: int) -> tuple:
     """What the C core reads of a tensor: address, dtype code, sizes, strides."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")

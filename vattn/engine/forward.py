@@ -18,7 +18,10 @@ before it, SiLU(gate)·up, the rotary embedding in place.  The logits then
 equal transformers' within float32 rounding (the norm's sum and SiLU's exp
 are vattn's own), not bit for bit.  That forward writes its GEMMs' and
 kernels' rows into buffers it keeps (`_Buffers`), so a step allocates almost
-nothing; its logits are overwritten by the next call.
+nothing; its logits are overwritten by the next call.  Where vattn's GEMM
+runs every linear and its kernel the attention (float32 on a host with
+AVX-512), all the layers are one native call (`native/decoder.c`): the same
+kernels in the same order, with no Python between them.
 
 `DecoderForward.of(model)` is None for a model it cannot run as transformers
 would (another architecture, a layer of another kind, hooks on a module):
@@ -32,8 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vattn import attention
-from vattn.engine import fused
+from vattn import _native, attention
+from vattn.attention import native as native_attention
+from vattn.engine import fused, gemm
 from vattn.engine.linears import Linear, projections
 
 ARCHITECTURES = {  # model_type -> the class name prefix of its modules
@@ -80,6 +84,7 @@ class DecoderForward:
         self.fused = (fuse_elementwise and self.head_dim % 2 == 0 and self.head_dim <= fused.MAX_HEAD_DIM
                       and all(fused.serves(w) for w in [inner.embed_tokens.weight, *(n.weight for n in norms)]))
         self._buffers = _Buffers()
+        self._one_call = None  # (cache, *`_layer_arguments` for it)
         rope_type = inner.rotary_emb.rope_type
         self._rotary = None  # `_cos_sin` of every position below max_positions, or None: made each step
         if isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope":
@@ -134,14 +139,34 @@ class DecoderForward:
 
     def _fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
                batch: attention.StepBatch) -> torch.Tensor:
-        """`__call__` with the fused kernels: `h` is the residual stream, `x`
-        each sublayer's input (the norm of h) and then its output."""
+        """`__call__` with the fused kernels: every layer in one native call
+        where it runs them (`_one_call_layers`), else a loop of single calls."""
         T, H, G, D, hidden = h.shape[0], self.heads, self.kv_heads, self.head_dim, h.shape[1]
         take = partial(self._buffers.take, like=h)
         # every layer writes the same rows: each site's taken once a step
-        qkv, out = take("qkv", rows=T, cols=(H + 2 * G) * D), take("attention", rows=T, cols=H * D)
-        o, down = take("o", rows=T, cols=hidden), take("down", rows=T, cols=hidden)
-        gate_up, act = take("gate_up", rows=T, cols=2 * self.intermediate), take("act", rows=T, cols=self.intermediate)
+        width = {"qkv": (H + 2 * G) * D, "attention": H * D, "o": hidden, "gate_up": 2 * self.intermediate,
+                 "act": self.intermediate, "down": hidden}
+        out = {site: take(site, rows=T, cols=cols) for site, cols in width.items()}
+        layers = self._one_call_layers(batch, rows)
+        if layers is None:
+            h = self._layer_loop(h, cos, sin, rows, batch, take, *out.values())
+        else:
+            batch.checked_writes()  # before the kernels store any K/V
+            rows_of = {"residual": h, "x": take("x", rows=T, cols=hidden), **out, "cos": cos, "sin": sin}
+            _native.decoder_layers(layers, *(fused.matrix(name, t) for name, t in rows_of.items()), batch.requests(),
+                                   rows.numpy(), H, torch.get_num_threads())
+            batch.record(range(len(self.layers)))
+            h = h[:rows.shape[0]]  # the sampled rows' residual stream, gathered there
+        head = self.model.lm_head
+        return _gemm(head, _fused_norm(h, self.inner.norm), take("logits", rows=h.shape[0], cols=head.out_features))
+
+    def _layer_loop(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
+                    batch: attention.StepBatch, take: Callable, qkv: torch.Tensor, out: torch.Tensor,
+                    o: torch.Tensor, gate_up: torch.Tensor, act: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """The layers, a call at a time, into the step's buffers: `h` is the
+        residual stream, `x` each sublayer's input (the norm of h) and then
+        its output.  Returns the sampled rows' residual stream."""
+        T, H, G, D, hidden = h.shape[0], self.heads, self.kv_heads, self.head_dim, h.shape[1]
         heads = out.view(T, H, D)
         x = _fused_norm(h.clone(), self.layers[0].norms[0])
         for layer, after in zip(self.layers, self.layers[1:] + [None]):
@@ -160,8 +185,43 @@ class DecoderForward:
                 h += x
             else:
                 _fused_norm(x, after.norms[0], h)
-        head = self.model.lm_head
-        return _gemm(head, _fused_norm(h, self.inner.norm), take("logits", rows=T, cols=head.out_features))
+        return h
+
+    def _one_call_layers(self, batch: attention.StepBatch, rows: torch.Tensor) -> tuple | None:
+        """`decoder_layers`' tuple of layers for `batch`'s cache, made once a
+        cache, or None where that call does not run this forward: a GEMM not
+        vattn's, another attention kernel, sampled rows that do not rise."""
+        if self._one_call is None or self._one_call[0] is not batch.cache:
+            self._one_call = (batch.cache, *self._layer_arguments(batch))
+        layers = self._one_call[1]
+        if layers is None or rows.dtype != torch.long or (rows[1:] <= rows[:-1]).any():
+            return None
+        return layers
+
+    def _layer_arguments(self, batch: attention.StepBatch) -> tuple[tuple | None, list[torch.Tensor]]:
+        """The layers' arguments (None where the call cannot run them), and
+        the tensors at their addresses, kept alive with them."""
+        if batch.kernel.name != "native" or batch.cache.config.dtype != torch.float32:
+            return None, []
+        linears = [m for layer in self.layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)]
+        if not all(isinstance(m, Linear) and m.packing == "native" for m in linears):
+            return None, []
+
+        def gemm_arguments(m: Linear) -> tuple:
+            return (fused.matrix("panels", m._weight.view(-1, gemm.PANEL)),
+                    None if m._bias is None else fused.matrix("bias", m._bias))
+
+        out = []
+        for layer in self.layers:
+            k, v = batch.cache.layer_kv(layer.index)
+            out.append((*gemm_arguments(layer.qkv), *gemm_arguments(layer.o_proj), *gemm_arguments(layer.gate_up),
+                        *gemm_arguments(layer.down_proj),
+                        *(arg for norm in layer.norms for arg in (fused.matrix("norm", norm.weight),
+                                                                  norm.variance_epsilon)),
+                        native_attention.view("k", k, 4), native_attention.view("v", v, 4), layer.scaling,
+                        layer.window))
+        keep = [t for m in linears for t in (m._weight, m._bias) if t is not None]
+        return tuple(out), keep
 
     def _cos_sin(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's rotary cos and sin `[T, D]` at `positions`, sin's first half negated (`_rotate`)."""

@@ -50,13 +50,25 @@ class Access:
             raise ValueError(f"the write was checked for {checked.num_tokens} tokens; key has {key.shape[1]}")
         self._store(layer, checked.slots, checked.positions, key, value, store)
 
+    def record_checked(self, checked: CheckedWrite, layers: range) -> None:
+        """`checked`'s tokens, which a kernel stored itself in every layer of
+        `layers`, recorded as written (`store_checked` with `store=False`, for
+        many layers at once)."""
+        for layer in (layers[0], layers[-1]) if layers else ():
+            self._check_layer(layer)
+        self._record(layers, checked.slots, checked.positions, checked.num_tokens)
+
     def _store(self, layer, slots, positions, key, value, store) -> None:
         if store:
             self.storage.store(layer, slots, [self._slots[i].pages for i in slots], positions, key, value)
-        T = key.shape[1]
+        self._record((layer,), slots, positions, key.shape[1])
+
+    def _record(self, layers, slots, positions, num_tokens) -> None:
         for slot, pos in zip(slots, positions):
-            written = self._slots[slot].written
-            written[layer] = max(written[layer], pos + T)
+            written, end = self._slots[slot].written, pos + num_tokens
+            for layer in layers:
+                if written[layer] < end:
+                    written[layer] = end
 
     def _check_slots(self, slots: list[int], positions: list[int]) -> None:
         B = len(slots)
