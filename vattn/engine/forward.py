@@ -206,21 +206,16 @@ class DecoderForward:
         linears = [m for layer in self.layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)]
         if not all(isinstance(m, Linear) and m.packing == "native" for m in linears):
             return None, []
-
-        def gemm_arguments(m: Linear) -> tuple:
-            return (fused.matrix("panels", m._weight.view(-1, gemm.PANEL)),
-                    None if m._bias is None else fused.matrix("bias", m._bias))
-
         out = []
         for layer in self.layers:
             k, v = batch.cache.layer_kv(layer.index)
-            out.append((*gemm_arguments(layer.qkv), *gemm_arguments(layer.o_proj), *gemm_arguments(layer.gate_up),
-                        *gemm_arguments(layer.down_proj),
+            out.append((*(arg for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)
+                          for arg in gemm.arguments(*m.served())),
                         *(arg for norm in layer.norms for arg in (fused.matrix("norm", norm.weight),
                                                                   norm.variance_epsilon)),
                         native_attention.view("k", k, 4), native_attention.view("v", v, 4), layer.scaling,
                         layer.window))
-        keep = [t for m in linears for t in (m._weight, m._bias) if t is not None]
+        keep = [t for m in linears for t in m.served() if t is not None]
         return tuple(out), keep
 
     def _cos_sin(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

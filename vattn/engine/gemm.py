@@ -45,7 +45,11 @@ def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch
         rows = rows.contiguous()
     if out is None:
         out = rows.new_empty(rows.shape[0], out_features)
-    _native.linear(matrix("out", out), matrix("x", rows), matrix("panels", panels.view(-1, PANEL)),
-                   None if bias is None else matrix("bias", bias), torch.get_num_threads())
+    _native.linear(matrix("out", out), matrix("x", rows), *arguments(panels, bias), torch.get_num_threads())
     return out.view(*x.shape[:-1], out_features)
+
+
+def arguments(panels: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """The weight packed in `panels` and its bias as the C core reads them."""
+    return matrix("panels", panels.view(-1, PANEL)), None if bias is None else matrix("bias", bias)
 

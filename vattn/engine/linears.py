@@ -74,6 +74,10 @@ class Linear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self._weight, self._bias, "none", [], "")
         return F.linear(x, self._weight, self._bias)
 
+    def served(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight as served (packed as `packing` says) and the bias."""
+        return self._weight, self._bias
+
     def dense(self) -> torch.Tensor:
         if self.packing == "native":
             return gemm.unpack(self._weight, self.out_features)
