@@ -122,7 +122,8 @@ def _bytes(rows: tuple) -> bytes:
     return ctypes.string_at(address, ((n - 1) * stride + cols) * 4)
 
 
-@pytest.mark.skipif(not gemm.serves(torch.ones(1, 1)), reason="the native layer call runs where vattn's GEMM does")
+@pytest.mark.skipif(not gemm.serves(torch.ones(1, 1)),
+                    reason="needs a CPU with AVX-512: the native layer call runs where vattn's GEMM does")
 def test_a_bad_native_layer_call_raises_and_writes_nothing(monkeypatch):
     """Each bad argument is refused before any layer runs: the residual, the
     step's buffers and the K/V rows the step would store are as they were."""
