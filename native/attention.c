@@ -11,8 +11,11 @@
  * the queries of a K/V head, so each K and V row is read from memory once for
  * all of them.  K/V in float32 or bfloat16, everything summed in float32,
  * softmax online (streaming) in blocks of BLOCK rows.  A decode tile (a
- * token's few query heads) scores one query at a time with the head dimension
- * in vector lanes; a prefill tile (up to TILE queries of several tokens) holds
+ * token's few query heads) scores three queries at a time with the head
+ * dimension in vector lanes, each K value loaded once for them, and asks for
+ * the next block's rows while it reads this block's V (the rows come from
+ * memory, not the caches, and the hardware's own prefetching falls short of
+ * the memory's bandwidth); a prefill tile (up to TILE queries of several tokens) holds
  * its queries in the lanes instead and broadcasts each K value against them,
  * a small matrix product with no horizontal sums.
  *
@@ -74,6 +77,13 @@ INLINE void store(void *row, int64_t d, float f, int bf16) {
 INLINE void prefetch_row(const char *row, int64_t nbytes) {
     for (int64_t at = 0; at < nbytes; at += 64) __builtin_prefetch(row + at, 0, 2);
 }
+
+/* Rows to prefetch while a block is read: row t of K and of V at k + t·krow and v + t·vrow, t < rows. */
+typedef struct {
+    const char *k, *v;
+    int64_t krow, vrow, bytes;
+    int rows;
+} Ahead;
 
 /* Lane i of the result: the sum of x[i]'s lanes. */
 INLINE v8f reduce8(const v8f x[8]) {

@@ -35,9 +35,11 @@ INLINE v8f NAME(fold)(vec x) {
 #define DV (W == 16 ? 4 : 2) /* V vectors a query holds in registers: 16 accumulators at four queries */
 
 /* acc[i][d..] += Σ_t p_it · v_t[d..] for n queries and nv vectors of dims (constants, the
- * accumulators in registers); p_it is p[i * pq + t * pt]. */
+ * accumulators in registers); p_it is p[i * pq + t * pt].  With `ahead`, row t of the next block
+ * is prefetched beside each V row read. */
 INLINE void NAME(accumulate_at)(float (*acc)[MAX_HEAD_DIM], const float *p, int64_t pq, int64_t pt, const char *v,
-                                int64_t vrow, int nb, int64_t d, const int n, const int nv, int bf16) {
+                                int64_t vrow, int nb, int64_t d, const int n, const int nv, int bf16,
+                                const Ahead *ahead) {
     vec o[4][DV];
 #pragma GCC unroll 4
     for (int i = 0; i < n; i++)
@@ -45,6 +47,10 @@ INLINE void NAME(accumulate_at)(float (*acc)[MAX_HEAD_DIM], const float *p, int6
         for (int k = 0; k < nv; k++) o[i][k] = *(vec *)&acc[i][d + k * W];
     for (int t = 0; t < nb; t++) {
         const char *row = v + t * vrow;
+        if (ahead && t < ahead->rows) {
+            prefetch_row(ahead->k + t * ahead->krow, ahead->bytes);
+            prefetch_row(ahead->v + t * ahead->vrow, ahead->bytes);
+        }
         vec x[DV];
 #pragma GCC unroll 4
         for (int k = 0; k < nv; k++) x[k] = NAME(load)(row, d + k * W, bf16);
@@ -59,12 +65,14 @@ INLINE void NAME(accumulate_at)(float (*acc)[MAX_HEAD_DIM], const float *p, int6
         for (int k = 0; k < nv; k++) *(vec *)&acc[i][d + k * W] = o[i][k];
 }
 
-/* acc[i] += Σ_t p_it · v_t for n (a constant) queries, DV·W dims at a time. */
+/* acc[i] += Σ_t p_it · v_t for n (a constant) queries, DV·W dims at a time (the first pass
+ * prefetching `ahead`). */
 INLINE void NAME(accumulate)(float (*acc)[MAX_HEAD_DIM], const float *p, int64_t pq, int64_t pt, const char *v,
-                             int64_t vrow, int nb, int64_t D, const int n, int bf16) {
+                             int64_t vrow, int nb, int64_t D, const int n, int bf16, const Ahead *ahead) {
     int64_t d = 0;
-    for (; d + DV * W <= D; d += DV * W) NAME(accumulate_at)(acc, p, pq, pt, v, vrow, nb, d, n, DV, bf16);
-    for (; d < D; d += W) NAME(accumulate_at)(acc, p, pq, pt, v, vrow, nb, d, n, 1, bf16);
+    for (; d + DV * W <= D; d += DV * W, ahead = NULL)
+        NAME(accumulate_at)(acc, p, pq, pt, v, vrow, nb, d, n, DV, bf16, ahead);
+    for (; d < D; d += W, ahead = NULL) NAME(accumulate_at)(acc, p, pq, pt, v, vrow, nb, d, n, 1, bf16, ahead);
 }
 
 /* The tile's queries in lanes: QV vectors of W hold its TILE queries. */
@@ -125,38 +133,63 @@ INLINE void NAME(probs_across)(Online *o, int nq, const char *kf, int64_t kfrow,
             for (int64_t d = 0; d < D; d++) o->acc[i][d] *= corr[i];
 }
 
-/* A block's probabilities p[i][t] one query at a time with the head dimension in lanes (decode:
- * a tile holds only a token's few query heads), eight scores at a time. */
-INLINE void NAME(probs_each)(Online *o, int nq, const char *kf, int64_t kfrow, const char *k0, int64_t krow,
-                             int64_t esize, int ahead, int64_t b0, int nb, int64_t D, float (*p)[BLOCK]) {
+/* s[i][c] (lane u: the score of row 8c + u) for n (a constant) queries from i0 over a whole block,
+ * each K value loaded once for all of them. */
+INLINE void NAME(block_scores)(const Online *o, int i0, const int n, const char *kf, int64_t kfrow, int64_t D,
+                               v8f (*s)[BLOCK / 8]) {
+    for (int c = 0; c < BLOCK / 8; c++) {
+        const char *rows = kf + 8 * c * kfrow;
+        vec dot[3][8] = {};
+        for (int64_t d = 0; d < D; d += W) {
+            vec qv[3];
+#pragma GCC unroll 3
+            for (int i = 0; i < n; i++) qv[i] = *(const vec *)&o->qs[i0 + i][d];
+#pragma GCC unroll 8
+            for (int u = 0; u < 8; u++) {
+                const vec x = NAME(load)(rows + u * kfrow, d, 0);
+#pragma GCC unroll 3
+                for (int i = 0; i < n; i++) dot[i][u] += qv[i] * x;
+            }
+        }
+#pragma GCC unroll 3
+        for (int i = 0; i < n; i++) {
+            v8f folded[8];
+#pragma GCC unroll 8
+            for (int u = 0; u < 8; u++) folded[u] = NAME(fold)(dot[i][u]);
+            s[i][c] = reduce8(folded);
+        }
+    }
+}
+
+/* A block's probabilities p[i][t] with the head dimension in lanes (decode: a tile holds only a
+ * token's few query heads): the queries that read the whole block scored three at a time, the
+ * others row by row. */
+INLINE void NAME(probs_each)(Online *o, int nq, const char *kf, int64_t kfrow, int64_t b0, int nb, int64_t D,
+                             float (*p)[BLOCK]) {
     const v8i lanes = {0, 1, 2, 3, 4, 5, 6, 7};
     const v8f none = (v8f){} - __builtin_inff();
     enum { CHUNKS = BLOCK / 8 };
+    v8f scores[ACROSS][CHUNKS];
+    int whole = nb == BLOCK;  /* every query reads every row of the block */
+    for (int i = 0; i < nq && whole; i++) whole = o->qlo[i] <= b0 && o->qhi[i] >= b0 + BLOCK;
+    if (whole) {
+        int i = 0;
+        for (; i + 3 <= nq; i += 3) NAME(block_scores)(o, i, 3, kf, kfrow, D, scores + i);
+        switch (nq - i) {
+            case 2: NAME(block_scores)(o, i, 2, kf, kfrow, D, scores + i); break;
+            case 1: NAME(block_scores)(o, i, 1, kf, kfrow, D, scores + i); break;
+        }
+    }
     for (int i = 0; i < nq; i++) {
         int a = o->qlo[i] > b0 ? (int)(o->qlo[i] - b0) : 0, e = o->qhi[i] - b0 < nb ? (int)(o->qhi[i] - b0) : nb;
-        v8f s[CHUNKS];
+        v8f *s = scores[i];
         if (a >= e) {
             for (int c = 0; c < CHUNKS; c++) *(v8f *)&p[i][8 * c] = (v8f){};
             continue;
         }
-        if (a == 0 && e == BLOCK) {
-            for (int c = 0; c < CHUNKS; c++) {
-                const char *rows = kf + 8 * c * kfrow;
-                vec dot[8] = {};
-                for (int64_t d = 0; d < D; d += W) {
-                    vec qv = *(const vec *)&o->qs[i][d];
-#pragma GCC unroll 8
-                    for (int u = 0; u < 8; u++) dot[u] += qv * NAME(load)(rows + u * kfrow, d, 0);
-                    if (i == 0 && ahead && !((d * esize) & 63))
-                        for (int u = 0; u < 8; u++)
-                            __builtin_prefetch(k0 + (8 * c + BLOCK + u) * krow + d * esize, 0, 2);
-                }
-                v8f folded[8];
-#pragma GCC unroll 8
-                for (int u = 0; u < 8; u++) folded[u] = NAME(fold)(dot[u]);
-                s[c] = reduce8(folded);
-            }
-        } else { /* the block's first or last rows: one at a time, -inf for the rest */
+        if (!whole && a == 0 && e == BLOCK) {
+            NAME(block_scores)(o, i, 1, kf, kfrow, D, scores + i);
+        } else if (!whole) { /* the block's first or last rows: one at a time, -inf for the rest */
             for (int c = 0; c < CHUNKS; c++) s[c] = none;
             for (int t = a; t < e; t++) {
                 vec dot = {};
@@ -222,6 +255,11 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16) {
         for (int64_t d = 0; d < D; d++)
             for (int i = 0; i < TILE; i++) o.qt[d][i] = i < nq ? o.qs[i][d] : 0;
 
+    if (!across)  /* a decode split reads each row once: its first block is fetched now, each next one ahead */
+        for (int64_t t = item->lo; t < item->lo + BLOCK && t < item->hi; t++) {
+            prefetch_row(kbase + t * krow, D * esize);
+            prefetch_row(vbase + t * vrow, D * esize);
+        }
     for (int64_t b0 = item->lo; b0 < item->hi; b0 += BLOCK) {
         const int nb = (int)(item->hi - b0 < BLOCK ? item->hi - b0 : BLOCK);
         const char *k0 = kbase + b0 * krow, *v0 = vbase + b0 * vrow;
@@ -235,22 +273,25 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16) {
             kfrow = sizeof(kblock[0]);
         }
         int64_t pq = 1, pt = TILE;  /* p_it is p[i * pq + t * pt] */
+        const Ahead *fetch = NULL;  /* the next block's rows, prefetched while V is read */
+        const int64_t after = item->hi - b0 - nb;  /* rows past this block */
+        Ahead next = {k0 + nb * krow, v0 + nb * vrow, krow, vrow, D * esize, (int)(after < BLOCK ? after : BLOCK)};
         if (across) {  /* no prefetching: the many tiles of a prefill chunk find its rows in the cache */
             NAME(probs_across)(&o, nq, kf, kfrow, b0, nb, D, (float (*)[TILE])p);
         } else {
-            const int ahead = b0 + 2 * BLOCK <= item->hi;  /* prefetch the next block's K rows */
-            for (int t = 0; t < nb; t++) prefetch_row(v0 + t * vrow, D * esize);
-            NAME(probs_each)(&o, nq, kf, kfrow, k0, krow, esize, ahead, b0, nb, D, (float (*)[BLOCK])p);
+            NAME(probs_each)(&o, nq, kf, kfrow, b0, nb, D, (float (*)[BLOCK])p);
             pq = BLOCK;
             pt = 1;
+            fetch = next.rows > 0 ? &next : NULL;
         }
         /* acc += p · V, four queries at a time */
         int i0 = 0;
-        for (; i0 + 4 <= nq; i0 += 4) NAME(accumulate)(o.acc + i0, p + i0 * pq, pq, pt, v0, vrow, nb, D, 4, bf16);
+        for (; i0 + 4 <= nq; i0 += 4, fetch = NULL)
+            NAME(accumulate)(o.acc + i0, p + i0 * pq, pq, pt, v0, vrow, nb, D, 4, bf16, fetch);
         switch (nq - i0) {
-            case 3: NAME(accumulate)(o.acc + i0, p + i0 * pq, pq, pt, v0, vrow, nb, D, 3, bf16); break;
-            case 2: NAME(accumulate)(o.acc + i0, p + i0 * pq, pq, pt, v0, vrow, nb, D, 2, bf16); break;
-            case 1: NAME(accumulate)(o.acc + i0, p + i0 * pq, pq, pt, v0, vrow, nb, D, 1, bf16); break;
+            case 3: NAME(accumulate)(o.acc + i0, p + i0 * pq, pq, pt, v0, vrow, nb, D, 3, bf16, fetch); break;
+            case 2: NAME(accumulate)(o.acc + i0, p + i0 * pq, pq, pt, v0, vrow, nb, D, 2, bf16, fetch); break;
+            case 1: NAME(accumulate)(o.acc + i0, p + i0 * pq, pq, pt, v0, vrow, nb, D, 1, bf16, fetch); break;
         }
     }
 
