@@ -11,7 +11,7 @@
  * the queries of a K/V head, so each K and V row is read from memory once for
  * all of them.  K/V in float32 or bfloat16, everything summed in float32,
  * softmax online (streaming) in blocks of BLOCK rows.  A decode tile (a
- * token's few query heads) scores three queries at a time with the head
+ * token's few query heads) scores up to three queries at a time with the head
  * dimension in vector lanes, each K value loaded once for them, and asks for
  * the next block's rows while it reads this block's V (the rows come from
  * memory, not the caches, and the hardware's own prefetching falls short of

@@ -33,6 +33,7 @@ INLINE v8f NAME(fold)(vec x) {
 }
 
 #define DV (W == 16 ? 4 : 2) /* V vectors a query holds in registers: 16 accumulators at four queries */
+#define QG (W == 16 ? 3 : 1)  /* queries block_scores takes at once: 8 accumulators each, in 32 or 16 registers */
 
 /* acc[i][d..] += Σ_t p_it · v_t[d..] for n queries and nv vectors of dims (constants, the
  * accumulators in registers); p_it is p[i * pq + t * pt].  With `ahead`, row t of the next block
@@ -133,15 +134,15 @@ INLINE void NAME(probs_across)(Online *o, int nq, const char *kf, int64_t kfrow,
             for (int64_t d = 0; d < D; d++) o->acc[i][d] *= corr[i];
 }
 
-/* s[i][c] (lane u: the score of row 8c + u) for n (a constant) queries from i0 over a whole block,
- * each K value loaded once for all of them. */
+/* s[i][c] (lane u: the score of row 8c + u) for n (a constant, at most QG) queries from i0 over a
+ * whole block, each K value loaded once for all of them. */
 INLINE void NAME(block_scores)(const Online *o, int i0, const int n, const char *kf, int64_t kfrow, int64_t D,
                                v8f (*s)[BLOCK / 8]) {
     for (int c = 0; c < BLOCK / 8; c++) {
         const char *rows = kf + 8 * c * kfrow;
-        vec dot[3][8] = {};
+        vec dot[QG][8] = {};
         for (int64_t d = 0; d < D; d += W) {
-            vec qv[3];
+            vec qv[QG];
 #pragma GCC unroll 3
             for (int i = 0; i < n; i++) qv[i] = *(const vec *)&o->qs[i0 + i][d];
 #pragma GCC unroll 8
@@ -162,8 +163,8 @@ INLINE void NAME(block_scores)(const Online *o, int i0, const int n, const char 
 }
 
 /* A block's probabilities p[i][t] with the head dimension in lanes (decode: a tile holds only a
- * token's few query heads): the queries that read the whole block scored three at a time, the
- * others row by row. */
+ * token's few query heads).  When every query reads the whole block they are scored QG at a time;
+ * else each alone, the block's first or last rows row by row. */
 INLINE void NAME(probs_each)(Online *o, int nq, const char *kf, int64_t kfrow, int64_t b0, int nb, int64_t D,
                              float (*p)[BLOCK]) {
     const v8i lanes = {0, 1, 2, 3, 4, 5, 6, 7};
@@ -174,11 +175,8 @@ INLINE void NAME(probs_each)(Online *o, int nq, const char *kf, int64_t kfrow, i
     for (int i = 0; i < nq && whole; i++) whole = o->qlo[i] <= b0 && o->qhi[i] >= b0 + BLOCK;
     if (whole) {
         int i = 0;
-        for (; i + 3 <= nq; i += 3) NAME(block_scores)(o, i, 3, kf, kfrow, D, scores + i);
-        switch (nq - i) {
-            case 2: NAME(block_scores)(o, i, 2, kf, kfrow, D, scores + i); break;
-            case 1: NAME(block_scores)(o, i, 1, kf, kfrow, D, scores + i); break;
-        }
+        for (; i + QG <= nq; i += QG) NAME(block_scores)(o, i, QG, kf, kfrow, D, scores + i);
+        for (; i < nq; i++) NAME(block_scores)(o, i, 1, kf, kfrow, D, scores + i);
     }
     for (int i = 0; i < nq; i++) {
         int a = o->qlo[i] > b0 ? (int)(o->qlo[i] - b0) : 0, e = o->qhi[i] - b0 < nb ? (int)(o->qhi[i] - b0) : nb;
@@ -322,6 +320,7 @@ INLINE void NAME(run_items)(Call *c) {
 
 
 #undef QV
+#undef QG
 #undef DV
 #undef ROWS
 #undef vec
