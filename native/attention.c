@@ -85,6 +85,11 @@ typedef struct {
     int rows;
 } Ahead;
 
+INLINE void fetch_row(const Ahead *a, int t) {
+    prefetch_row(a->k + t * a->krow, a->bytes);
+    prefetch_row(a->v + t * a->vrow, a->bytes);
+}
+
 /* Lane i of the result: the sum of x[i]'s lanes. */
 INLINE v8f reduce8(const v8f x[8]) {
 #define PAIRS(a, b) (__builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) + \

@@ -48,10 +48,7 @@ INLINE void NAME(accumulate_at)(float (*acc)[MAX_HEAD_DIM], const float *p, int6
         for (int k = 0; k < nv; k++) o[i][k] = *(vec *)&acc[i][d + k * W];
     for (int t = 0; t < nb; t++) {
         const char *row = v + t * vrow;
-        if (ahead && t < ahead->rows) {
-            prefetch_row(ahead->k + t * ahead->krow, ahead->bytes);
-            prefetch_row(ahead->v + t * ahead->vrow, ahead->bytes);
-        }
+        if (ahead && t < ahead->rows) fetch_row(ahead, t);
         vec x[DV];
 #pragma GCC unroll 4
         for (int k = 0; k < nv; k++) x[k] = NAME(load)(row, d + k * W, bf16);
@@ -253,11 +250,11 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16) {
         for (int64_t d = 0; d < D; d++)
             for (int i = 0; i < TILE; i++) o.qt[d][i] = i < nq ? o.qs[i][d] : 0;
 
-    if (!across)  /* a decode split reads each row once: its first block is fetched now, each next one ahead */
-        for (int64_t t = item->lo; t < item->lo + BLOCK && t < item->hi; t++) {
-            prefetch_row(kbase + t * krow, D * esize);
-            prefetch_row(vbase + t * vrow, D * esize);
-        }
+    if (!across) {  /* a decode split reads each row once: its first block is fetched now, each next one ahead */
+        const Ahead first = {kbase + item->lo * krow, vbase + item->lo * vrow, krow, vrow, D * esize,
+                             (int)(item->hi - item->lo < BLOCK ? item->hi - item->lo : BLOCK)};
+        for (int t = 0; t < first.rows; t++) fetch_row(&first, t);
+    }
     for (int64_t b0 = item->lo; b0 < item->hi; b0 += BLOCK) {
         const int nb = (int)(item->hi - b0 < BLOCK ? item->hi - b0 : BLOCK);
         const char *k0 = kbase + b0 * krow, *v0 = vbase + b0 * vrow;
@@ -271,17 +268,17 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16) {
             kfrow = sizeof(kblock[0]);
         }
         int64_t pq = 1, pt = TILE;  /* p_it is p[i * pq + t * pt] */
-        const Ahead *fetch = NULL;  /* the next block's rows, prefetched while V is read */
-        const int64_t after = item->hi - b0 - nb;  /* rows past this block */
-        Ahead next = {k0 + nb * krow, v0 + nb * vrow, krow, vrow, D * esize, (int)(after < BLOCK ? after : BLOCK)};
+        Ahead next = {0};  /* decode: the next block's rows, prefetched while V is read */
         if (across) {  /* no prefetching: the many tiles of a prefill chunk find its rows in the cache */
             NAME(probs_across)(&o, nq, kf, kfrow, b0, nb, D, (float (*)[TILE])p);
         } else {
             NAME(probs_each)(&o, nq, kf, kfrow, b0, nb, D, (float (*)[BLOCK])p);
             pq = BLOCK;
             pt = 1;
-            fetch = next.rows > 0 ? &next : NULL;
+            const int64_t after = item->hi - b0 - nb;  /* rows past this block */
+            next = (Ahead){k0 + nb * krow, v0 + nb * vrow, krow, vrow, D * esize, (int)(after < BLOCK ? after : BLOCK)};
         }
+        const Ahead *fetch = next.rows > 0 ? &next : NULL;
         /* acc += p · V, four queries at a time */
         int i0 = 0;
         for (; i0 + 4 <= nq; i0 += 4, fetch = NULL)
