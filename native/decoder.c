@@ -4,7 +4,8 @@
  *
  *   qkv = x W_qkv^T (+ b); rotate Q and K; store K, V in the cache and attend;
  *   o = attention W_o^T; residual += o, o = rms_norm(residual);
- *   down = (silu(gate) * up)(o W_gate_up^T) W_down^T;
+ *   down = (silu(gate) * up)(o W_gate_up^T) W_down^T (gated: one call, where the
+ *   GEMM takes the MLP's width);
  *   residual += down, x = rms_norm(residual) with the next layer's weight.
  *
  * The same kernels as the engine's single calls (linear.c, ops.c,
@@ -91,6 +92,9 @@ static View heads_of(const Rows *r, int64_t c0, int64_t heads, int64_t dim) {
                   .stride = {r->stride, dim, 1}};
 }
 
+/* Whether the MLP runs as one gated GEMM (linear.c): gate and up panels paired. */
+static int gated(const Step *s) { return s->act.cols % LINEAR_PANEL == 0; }
+
 /* Every call of every layer checked as the single calls check them. */
 static int check(const Layer *layers, int64_t L, const Step *s, const int64_t *sampled, int64_t R,
                  const int64_t *table, int64_t n, long long H, int threads) {
@@ -127,7 +131,8 @@ static int check(const Layer *layers, int64_t L, const Step *s, const int64_t *s
             attend_check(&q, &out, &y->k, &y->v, &nk, &nv, table, n, y->window, threads) ||
             linear_check(&s->o, &s->attention, &y->o, bias(&y->o_b)) ||
             norm_check(&s->o, &s->residual, &y->post_norm) ||
-            linear_check(&s->gate_up, &s->o, &y->gate_up, bias(&y->gate_up_b)) ||
+            (gated(s) ? linear_silu_mul_check(&s->act, &s->o, &y->gate_up, bias(&y->gate_up_b))
+                      : linear_check(&s->gate_up, &s->o, &y->gate_up, bias(&y->gate_up_b))) ||
             linear_check(&s->down, &s->act, &y->down, bias(&y->down_b)) ||
             (l + 1 < L && norm_check(&s->down, &s->residual, &layers[l + 1].input_norm))) {
             PyObject *type, *value, *trace;
@@ -183,8 +188,12 @@ static int run(const Layer *layers, int64_t L, const Step *s, const int64_t *sam
                    gate_up = head(s->gate_up, T), act = head(s->act, T), down = head(s->down, T);
         linear_run(&o, &attention, &y->o, bias(&y->o_b), threads);
         norm_run(&o, &residual, &y->post_norm, (float)y->post_eps, threads);
-        linear_run(&gate_up, &o, &y->gate_up, bias(&y->gate_up_b), threads);
-        silu_mul_run(&act, &gate_up, threads);
+        if (gated(s)) {
+            linear_silu_mul_run(&act, &o, &y->gate_up, bias(&y->gate_up_b), threads);
+        } else {
+            linear_run(&gate_up, &o, &y->gate_up, bias(&y->gate_up_b), threads);
+            silu_mul_run(&act, &gate_up, threads);
+        }
         linear_run(&down, &act, &y->down, bias(&y->down_b), threads);
         if (l + 1 < L)
             norm_run(&down, &residual, &layers[l + 1].input_norm, (float)layers[l + 1].input_eps, threads);

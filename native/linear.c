@@ -8,6 +8,12 @@
  * the first block, stays in L2 for the others.  The threads share the
  * panels, so each weight is read once a call at any number of rows.
  *
+ * Gated (`linear_silu_mul_run`, the MLP's gate and up projections packed as
+ * one weight [gate; up]): each gate panel's outputs are stored, and the
+ * matching up panel, computed next by the same thread, turns them into
+ * silu(gate) * up as ops.c's silu_mul does, bit for bit.  The [gate | up]
+ * rows are never written, nor read again.
+ *
  * Loads are unaligned, so any address serves.  On the CPUs measured
  * (benchmarks/README.md, `vattn bench linears`) oneDNN's packed inner product
  * and vLLM's linear stream the weights slower at the few rows of a decode
@@ -44,6 +50,7 @@ typedef struct {
     const float *x, *panels, *bias;
     float *y;
     int64_t rows, n, k, x_stride, y_stride;
+    int64_t up;  /* gated: the first up panel (the gate's panels come before it); 0: not gated */
 } Gemm;
 
 /* Lines of the next panel a block asks for ahead, `per` at each step over K. */
@@ -52,10 +59,11 @@ typedef struct {
     int per;
 } Ahead;
 
-/* y rows [0, R) columns [col, col + cols) from panel `w` and x rows [0, R): R a constant per copy */
+/* y rows [0, R) from panel `w` (its outputs [col, col + cols)) and x rows [0, R): R a constant per
+ * copy.  `up`: the panel is a gated GEMM's up panel, and y holds its gate panel's outputs. */
 #define BLOCK(R)                                                                                            \
     AVX512 static void block##R(const Gemm *g, const float *x, const float *w, float *y, int64_t col,       \
-                                int64_t cols, Ahead ahead) {                                                \
+                                int64_t cols, Ahead ahead, int up) {                                        \
         v16f acc[R][VECTORS];                                                                               \
         _Pragma("GCC unroll 8") for (int i = 0; i < R; i++)                                                 \
             _Pragma("GCC unroll 3") for (int j = 0; j < VECTORS; j++) acc[i][j] = (v16f){};                 \
@@ -71,7 +79,13 @@ typedef struct {
         }                                                                                                   \
         for (int i = 0; i < R; i++) {                                                                       \
             float *row = y + i * g->y_stride;                                                               \
-            if (cols == PANEL) {                                                                            \
+            if (up) { /* silu(gate) * up, as silu_mul_row computes it */                                    \
+                _Pragma("GCC unroll 3") for (int j = 0; j < VECTORS; j++) {                                 \
+                    const v16f gate = *(const v16u *)(row + 16 * j);                                        \
+                    *(v16u *)(row + 16 * j) = gate / (1.0f + vexp(-gate)) *                                 \
+                        (g->bias ? acc[i][j] + *(const v16u *)(g->bias + col + 16 * j) : acc[i][j]);        \
+                }                                                                                           \
+            } else if (cols == PANEL) {                                                                     \
                 _Pragma("GCC unroll 3") for (int j = 0; j < VECTORS; j++) *(v16u *)(row + 16 * j) =         \
                     g->bias ? acc[i][j] + *(const v16u *)(g->bias + col + 16 * j) : acc[i][j];              \
             } else { /* the last panel's columns */                                                         \
@@ -83,31 +97,36 @@ typedef struct {
     }
 BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6) BLOCK(7) BLOCK(8)
 
-typedef void (*block_fn)(const Gemm *, const float *, const float *, float *, int64_t, int64_t, Ahead);
+typedef void (*block_fn)(const Gemm *, const float *, const float *, float *, int64_t, int64_t, Ahead, int);
 static const block_fn BLOCKS[MAX_ROWS + 1] = {NULL, block1, block2, block3, block4, block5, block6, block7, block8};
 
-/* panels [p0, p1) for every row, CHUNK rows at a time, each chunk in blocks of equal size.  The
- * first block reads a panel from memory, the others from L2; so that no block waits on memory
- * while the others leave it idle, every block of panel p asks for its share of panel p + 1. */
-static void panels(const Gemm *g, int64_t p0, int64_t p1) {
+/* The panel at step s of the walk over the panels: panel s; gated, gate panel s / 2 and then its up panel. */
+static int64_t panel_at(const Gemm *g, int64_t s) { return g->up ? s / 2 + (s % 2) * g->up : s; }
+
+/* Steps [s0, s1) of the walk over the panels for every row, CHUNK rows at a time, each chunk in
+ * blocks of equal size.  The first block reads a panel from memory, the others from L2; so that no
+ * block waits on memory while the others leave it idle, every block of a step's panel asks for its
+ * share of the next step's. */
+static void panels(const Gemm *g, int64_t s0, int64_t s1) {
     const int64_t lines = g->k * PANEL * (int64_t)sizeof(float) / 64;  /* a panel's cache lines */
     for (int64_t c = 0; c < g->rows; c += CHUNK) {
         const int64_t rows = g->rows - c < CHUNK ? g->rows - c : CHUNK;
         const int64_t blocks = (rows + MAX_ROWS - 1) / MAX_ROWS, size = (rows + blocks - 1) / blocks;
         const int64_t share = (lines + blocks - 1) / blocks;  /* lines a block asks for */
         const int per = blocks > 1 ? (int)((share + g->k - 1) / g->k) : 0;
-        for (int64_t p = p0; p < p1; p++) {
-            const int64_t col = p * PANEL, cols = g->n - col < PANEL ? g->n - col : PANEL;
+        for (int64_t s = s0; s < s1; s++) {
+            const int64_t p = panel_at(g, s), col = p * PANEL, cols = g->n - col < PANEL ? g->n - col : PANEL;
+            const int64_t ycol = g->up ? s / 2 * PANEL : col;  /* gated: both write the gate's columns */
             for (int64_t r = c, b = 0; r < c + rows; r += size, b++) {
                 const int64_t R = c + rows - r < size ? c + rows - r : size;
                 Ahead ahead = {0};  /* none past the thread's last panel */
-                if (p + 1 < p1) {
-                    const char *next = (const char *)(g->panels + (p + 1) * g->k * PANEL);
+                if (s + 1 < s1) {
+                    const char *next = (const char *)(g->panels + panel_at(g, s + 1) * g->k * PANEL);
                     const int64_t from = b * share < lines ? b * share : lines;
                     ahead = (Ahead){next + 64 * from, next + 64 * (from + share < lines ? from + share : lines), per};
                 }
-                BLOCKS[R](g, g->x + r * g->x_stride, g->panels + p * g->k * PANEL, g->y + r * g->y_stride + col,
-                          col, cols, ahead);
+                BLOCKS[R](g, g->x + r * g->x_stride, g->panels + p * g->k * PANEL, g->y + r * g->y_stride + ycol,
+                          col, cols, ahead, g->up && s % 2);
             }
         }
     }
@@ -125,31 +144,55 @@ static int has_avx512(void) {
 
 PyObject *linear_serves(PyObject *mod, PyObject *noargs) { return PyBool_FromLong(has_avx512()); }
 
-int linear_check(const Rows *y, const Rows *x, const Rows *w, const Rows *b) {
+/* y's rows from x's through the weight of n outputs packed in w (with bias b). */
+static int check(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int64_t n) {
     if (!has_avx512()) return FAIL("linear runs on CPUs with AVX-512; this one has none");
-    const int64_t n = y->cols, k = x->cols, num_panels = (n + PANEL - 1) / PANEL;
+    const int64_t k = x->cols, num_panels = (n + PANEL - 1) / PANEL;
     if (y->rows != x->rows) return FAIL("out has %lld rows; x has %lld", y->rows, x->rows);
     if (w->cols != PANEL || w->stride != PANEL || w->rows != num_panels * k)
         return FAIL("panels are %lld x %lld (row stride %lld); %lld outputs of %lld inputs take %lld x %d", w->rows,
                     w->cols, w->stride, (long long)n, (long long)k, (long long)(num_panels * k), PANEL);
     if (b && (b->rows != 1 || b->cols != n))
-        return FAIL("bias is %lld x %lld; out has %lld columns", b->rows, b->cols, (long long)n);
+        return FAIL("bias is %lld x %lld; the weight has %lld outputs", b->rows, b->cols, (long long)n);
     return 0;
 }
 
-void linear_run(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int threads) {
-    const int64_t n = y->cols, k = x->cols, num_panels = (n + PANEL - 1) / PANEL;
-    Gemm g = {.x = FLOATS(x), .panels = FLOATS(w), .bias = b ? FLOATS(b) : NULL, .y = FLOATS(y), .rows = x->rows,
-              .n = n, .k = k, .x_stride = x->stride, .y_stride = y->stride};
-    if (threads < 2 || num_panels < 2 || x->rows * n * k < PARALLEL_MACS) {
-        panels(&g, 0, num_panels);
+int linear_check(const Rows *y, const Rows *x, const Rows *w, const Rows *b) { return check(y, x, w, b, y->cols); }
+
+int linear_silu_mul_check(const Rows *y, const Rows *x, const Rows *w, const Rows *b) {
+    if (y->cols % PANEL)
+        return FAIL("gated, out's %lld columns must be a multiple of %d", y->cols, PANEL);
+    return check(y, x, w, b, 2 * y->cols);
+}
+
+/* The walk's steps shared among the threads, a unit (a panel; gated, a gate panel and its up panel) each. */
+static void run(const Gemm *g, int threads) {
+    const int64_t steps = (g->n + PANEL - 1) / PANEL, per_unit = g->up ? 2 : 1, units = steps / per_unit;
+    if (threads < 2 || units < 2 || g->rows * g->n * g->k < PARALLEL_MACS) {
+        panels(g, 0, steps);
         return;
     }
 #pragma omp parallel num_threads(threads)
     {
         int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        panels(&g, num_panels * t / nt, num_panels * (t + 1) / nt);
+        panels(g, units * t / nt * per_unit, units * (t + 1) / nt * per_unit);
     }
+}
+
+static Gemm gemm_of(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int64_t n) {
+    return (Gemm){.x = FLOATS(x), .panels = FLOATS(w), .bias = b ? FLOATS(b) : NULL, .y = FLOATS(y),
+                  .rows = x->rows, .n = n, .k = x->cols, .x_stride = x->stride, .y_stride = y->stride};
+}
+
+void linear_run(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int threads) {
+    const Gemm g = gemm_of(y, x, w, b, y->cols);
+    run(&g, threads);
+}
+
+void linear_silu_mul_run(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int threads) {
+    Gemm g = gemm_of(y, x, w, b, 2 * y->cols);
+    g.up = y->cols / PANEL;
+    run(&g, threads);
 }
 
 PyObject *linear(PyObject *mod, PyObject *args) {

@@ -33,3 +33,7 @@ int rotate_check(const Rows *x, long long heads, const Rows *cos, const Rows *si
 void rotate_run(const Rows *x, long long heads, const Rows *cos, const Rows *sin, int threads);
 int linear_check(const Rows *y, const Rows *x, const Rows *w, const Rows *b);
 void linear_run(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int threads);
+/* y <- silu(gate) * up, [gate | up] = x W^T + b (W packed as for linear_run), y's columns a
+ * multiple of LINEAR_PANEL: silu_mul's result, bit for bit, with no [gate | up] rows written. */
+int linear_silu_mul_check(const Rows *y, const Rows *x, const Rows *w, const Rows *b);
+void linear_silu_mul_run(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int threads);

@@ -92,11 +92,17 @@ def layer_loop_logits(decoder, ids, positions, rows, batch) -> torch.Tensor:
         decoder._one_call = kept
 
 
-@pytest.mark.parametrize("arch", list(TINY))
-def test_every_layer_in_one_native_call_gives_the_layer_loops_logits_bit_for_bit(arch):
+@pytest.mark.parametrize("arch, config", [*((arch, {}) for arch in TINY), ("llama", dict(mlp_bias=True)),
+                                          ("llama", dict(intermediate_size=80))],
+                         ids=[*TINY, "llama-mlp-bias", "llama-mlp-of-80"])
+def test_every_layer_in_one_native_call_gives_the_layer_loops_logits_bit_for_bit(arch, config):
     """Where vattn's GEMM runs (AVX-512), the fused forward's layers run in one
-    native call: the same kernels in the same order as its loop in Python."""
-    model = tiny_model(arch, "sdpa")
+    native call: the same kernels in the same order as its loop in Python,
+    but for the MLP's gate and up, one gated GEMM there (silu(gate) * up
+    made as its up half is computed) where its width is a multiple of the
+    GEMM's panel (SMALL's 96; not 80), and the loop's GEMM and silu_mul."""
+    assert SMALL["intermediate_size"] % gemm.PANEL == 0 and 80 % gemm.PANEL
+    model = tiny_model(arch, "sdpa", **config)
     reference = [[hf_greedy(model, p, 30)] for p in prompts()]
     engine = engine_for(model)
     decoder, equal = engine.runner.decoder, []

@@ -15,10 +15,11 @@ TINY = {
 }
 
 
-def tiny_model(arch, attn):
+def tiny_model(arch, attn, **config):
+    """A tiny `arch` model of SMALL's shape (`config` overriding it), seeded, on attention `attn`."""
     config_cls, model_cls, extra = TINY[arch]
     torch.manual_seed(0)
-    model = model_cls(config_cls(**SMALL, **extra)).eval()
+    model = model_cls(config_cls(**SMALL | extra | config)).eval()
     model.set_attn_implementation(attn)
     return model
 
