@@ -258,3 +258,38 @@ def test_pages_of_a_mapped_file_are_given_back_and_read_again(tmp_path):
     assert torch.equal(mapped, values) and torch.equal(anonymous, values)  # read again from the file
     with pytest.raises(ValueError, match="negative"):
         _native.page_out(mapped.data_ptr(), -1)
+
+
+def mapping_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds `address`."""
+    fields, inside = {}, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(a, 16) for a in head.split("-"))
+            if inside:
+                break
+            inside = start <= address < end
+        elif inside:
+            name, _, value = line.partition(":")
+            fields[name] = value.strip()
+    return fields
+
+
+def test_huge_pages_carve_aligned_tensors_that_outlive_the_carver():
+    import gc
+
+    from vattn.backends.host import HugePages
+
+    pages = HugePages()
+    small, wide = pages.empty(3, 5), pages.empty(7, dtype=torch.bfloat16)
+    whole = pages.empty(HugePages.CHUNK // 4 + 3)  # past a chunk: one of its own, aligned to a huge page
+    for t, value in ((small, 1.5), (wide, 2.0), (whole, 3.0)):
+        t.fill_(value)
+    assert small.shape == (3, 5) and wide.dtype == torch.bfloat16 and whole.is_contiguous()
+    assert small.data_ptr() % 64 == 0 and wide.data_ptr() == small.data_ptr() + 64
+    assert whole.data_ptr() % HugePages.HUGE == 0
+    assert "hg" in mapping_of(whole.data_ptr())["VmFlags"].split()  # advised for huge pages
+    del pages
+    gc.collect()
+    assert small.sum() == 22.5 and wide.sum() == 14 and whole[-4:].sum() == 12  # still mapped

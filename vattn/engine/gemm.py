@@ -10,9 +10,11 @@ with them (`vattn bench linears`).
 import torch
 
 from vattn import _native
+from vattn.backends.host import HugePages
 from vattn.engine.fused import matrix
 
 PANEL = _native.LINEAR_PANEL
+_PAGES = HugePages()  # the packed weights: streamed from memory at a decode step's few rows
 
 
 def serves(weight: torch.Tensor) -> bool:
@@ -24,9 +26,10 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     """`weight [out, in]` as panels `[ceil(out / PANEL), in, PANEL]`."""
     n, k = weight.shape
     whole = n // PANEL
-    panels = weight.new_zeros(-(-n // PANEL), k, PANEL)
+    panels = _PAGES.empty(-(-n // PANEL), k, PANEL, dtype=weight.dtype)
     panels[:whole] = weight[:whole * PANEL].view(whole, PANEL, k).transpose(1, 2)
     if n % PANEL:
+        panels[whole].zero_()
         panels[whole, :, :n % PANEL] = weight[whole * PANEL:].t()
     return panels
 
