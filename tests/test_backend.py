@@ -284,8 +284,7 @@ def test_huge_pages_carve_aligned_tensors_that_outlive_the_carver():
     pages = HugePages()
     small, wide = pages.empty(3, 5), pages.empty(7, dtype=torch.bfloat16)
     whole = pages.empty(HugePages.CHUNK // 4 + 3)  # past a chunk: one of its own, aligned to a huge page
-    for t, value in ((small, 1.5), (wide, 2.0), (whole, 3.0)):
-        t.fill_(value)
+    small.fill_(1.5), wide.fill_(2.0), whole.fill_(3.0)
     assert small.shape == (3, 5) and wide.dtype == torch.bfloat16 and whole.is_contiguous()
     assert small.data_ptr() % 64 == 0 and wide.data_ptr() == small.data_ptr() + 64
     assert whole.data_ptr() % HugePages.HUGE == 0
@@ -293,3 +292,7 @@ def test_huge_pages_carve_aligned_tensors_that_outlive_the_carver():
     del pages
     gc.collect()
     assert small.sum() == 22.5 and wide.sum() == 14 and whole[-4:].sum() == 12  # still mapped
+    address = whole.data_ptr()
+    del whole
+    gc.collect()
+    assert mapping_of(address) == {}  # its chunk unmapped with its last tensor

@@ -1,5 +1,6 @@
 """Host backend: `mmap` reservations, a `memfd` as the physical pool (native C)."""
 import mmap
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,26 +105,29 @@ class HugePages:
     (`MADV_HUGEPAGE`, which Linux's default `madvise` mode waits for), carved
     in turn from chunks of at least CHUNK bytes: a GEMM streaming its weights
     from memory then misses the TLB once per 2 MiB, not once per 4 KiB page.
-    Where the OS gives no huge pages, they are plain pages.  A chunk lives as
-    long as a tensor carved from it (or the next carving) does."""
+    Where the OS gives no huge pages, they are plain pages.  The tensors
+    carved from a chunk keep it mapped, and nothing else does."""
 
     CHUNK = 64 << 20
     HUGE = 2 << 20  # the huge page size the chunks are aligned to
 
     def __init__(self):
-        self._chunk, self._used = None, 0
+        self._chunk = lambda: None  # a weak reference to the chunk's memory
+        self._end = self._used = 0  # the chunk's bytes from its first huge page, and those carved
 
     def empty(self, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """An uninitialized contiguous tensor of `shape`, 64-byte aligned."""
-        nbytes = -(-torch.Size(shape).numel() * dtype.itemsize // 64) * 64
-        if self._chunk is None or self._used + nbytes > self._chunk.numel():
+        numel = torch.Size(shape).numel()
+        nbytes = -(-numel * dtype.itemsize // 64) * 64
+        memory = self._chunk()
+        if memory is None or self._used + nbytes > self._end:
             size = -(-max(self.CHUNK, nbytes) // self.HUGE) * self.HUGE
             memory = mmap.mmap(-1, size + self.HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             if hasattr(mmap, "MADV_HUGEPAGE"):
                 memory.madvise(mmap.MADV_HUGEPAGE)
-            flat = torch.frombuffer(memory, dtype=torch.uint8)
-            start = -flat.data_ptr() % self.HUGE
-            self._chunk, self._used = flat[start:start + size], 0
-        out = self._chunk[self._used:self._used + nbytes]
+            self._chunk = weakref.ref(memory)
+            self._used = -torch.frombuffer(memory, dtype=torch.uint8).data_ptr() % self.HUGE
+            self._end = self._used + size
+        out = torch.frombuffer(memory, dtype=torch.uint8, offset=self._used, count=nbytes)
         self._used += nbytes
-        return out.view(dtype)[:torch.Size(shape).numel()].view(shape)
+        return out.view(dtype)[:numel].view(shape)
