@@ -119,6 +119,8 @@ class HugePages:
         """An uninitialized contiguous tensor of `shape`, 64-byte aligned."""
         numel = torch.Size(shape).numel()
         nbytes = -(-numel * dtype.itemsize // 64) * 64
+        if not nbytes:
+            return torch.empty(shape, dtype=dtype)
         memory = self._chunk()
         if memory is None or self._used + nbytes > self._end:
             size = -(-max(self.CHUNK, nbytes) // self.HUGE) * self.HUGE

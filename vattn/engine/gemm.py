@@ -23,7 +23,7 @@ def serves(weight: torch.Tensor) -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """`weight [out, in]` as panels `[ceil(out / PANEL), in, PANEL]`."""
+    """`weight [out, in]` as panels `[ceil(out / PANEL), in, PANEL]`, in huge pages (`HugePages`)."""
     n, k = weight.shape
     whole = n // PANEL
     panels = _PAGES.empty(-(-n // PANEL), k, PANEL, dtype=weight.dtype)
