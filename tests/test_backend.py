@@ -230,16 +230,23 @@ def test_there_is_one_backend_per_device():
         get_backend("meta")
 
 
-def resident_kb(path) -> int:
-    """Resident kB of this process's mappings of the file at `path`."""
-    kb, mapped = 0, None
+def mappings():
+    """This process's mappings from /proc/self/smaps: (start, end, path or None, {field: value})."""
+    found = []
     for line in open("/proc/self/smaps"):
         fields = line.split()
-        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header: range, perms, offset, dev, inode, path
-            mapped = fields[5] if len(fields) > 5 else None
-        elif fields[0] == "Rss:" and mapped == str(path):
-            kb += int(fields[1])
-    return kb
+        if "-" in fields[0] and not fields[0].endswith(":"):  # a header: range, perms, offset, dev, inode, path
+            start, end = (int(a, 16) for a in fields[0].split("-"))
+            found.append((start, end, fields[5] if len(fields) > 5 else None, {}))
+        else:
+            name, _, value = line.partition(":")
+            found[-1][3][name] = value.strip()
+    return found
+
+
+def resident_kb(path) -> int:
+    """Resident kB of this process's mappings of the file at `path`."""
+    return sum(int(f["Rss"].split()[0]) for _, _, mapped, f in mappings() if mapped == str(path))
 
 
 def test_pages_of_a_mapped_file_are_given_back_and_read_again(tmp_path):
@@ -261,19 +268,8 @@ def test_pages_of_a_mapped_file_are_given_back_and_read_again(tmp_path):
 
 
 def mapping_of(address: int) -> dict[str, str]:
-    """The /proc/self/smaps fields of the mapping that holds `address`."""
-    fields, inside = {}, False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            start, end = (int(a, 16) for a in head.split("-"))
-            if inside:
-                break
-            inside = start <= address < end
-        elif inside:
-            name, _, value = line.partition(":")
-            fields[name] = value.strip()
-    return fields
+    """The /proc/self/smaps fields of the mapping that holds `address` ({} where none does)."""
+    return next((f for start, end, _, f in mappings() if start <= address < end), {})
 
 
 def test_huge_pages_carve_aligned_tensors_that_outlive_the_carver():
