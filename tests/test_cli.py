@@ -62,17 +62,19 @@ def test_bench_engine_reports_medians_of_its_rounds(tmp_path):
     assert result["output_tokens"] == runs[0]["output_tokens"] and result["layout"] == "per_head"
 
 
-def test_bench_sweep_runs_each_pair_of_limits(tmp_path):
+def test_bench_sweep_runs_each_point_of_the_grid(tmp_path):
     path = tmp_path / "sweep.json"
-    out = vattn("bench", "sweep", "--num-prompts", "3", "--max-tokens", "4", "--rounds", "2",
-                "--max-num-seqs", "1", "2", "--max-num-batched-tokens", "64", "--json", str(path))
+    out = vattn("bench", "sweep", "--num-prompts", "3", "--max-tokens", "4", "--rounds", "2", "--max-num-seqs", "1",
+                "2", "--max-num-batched-tokens", "64", "--max-running-tokens", "none", "--json", str(path))
     assert "engine sweep: 3 sharegpt requests" in " ".join(out.split())
     result = json.loads(path.read_text())
     rows = result["rows"]
-    assert [(r["max_num_seqs"], r["max_num_batched_tokens"]) for r in rows] == [(1, 64), (2, 64)]
+    assert [(r["max_num_seqs"], r["max_num_batched_tokens"], r["max_running_tokens"]) for r in rows] == [
+        (1, 64, None), (2, 64, None)]
     assert all(len(r["rounds"]) == 2 and r["output_tokens"] == rows[0]["output_tokens"] for r in rows)
     best = max(rows, key=lambda r: r["output_tok_per_s"])
-    assert result["best"] == {"max_num_seqs": best["max_num_seqs"], "max_num_batched_tokens": 64}
+    assert result["best"] == {"max_num_seqs": best["max_num_seqs"], "max_num_batched_tokens": 64,
+                              "max_running_tokens": None}
     refused = subprocess.run([sys.executable, "-m", "vattn", "bench", "engine", "--max-num-seqs", "1", "2"],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "--max-num-seqs takes one value" in refused.stderr

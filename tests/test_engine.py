@@ -103,6 +103,27 @@ def test_map_ahead_and_prefix_caching_change_no_output(tiny):
         assert run(engine_for(model, **settings), [(p, greedy()) for p in prompts()]) == [[r] for r in reference]
 
 
+def test_admission_keeps_the_running_tokens_within_the_limit(tiny):
+    model, reference = tiny
+    reqs = [(p, greedy()) for p in prompts()]
+
+    def most_running(engine):
+        """The most requests that ran at once; asserts that the prompts of
+        those running together never passed the limit (one ran alone)."""
+        ids, done, most = [engine.add_request(p, params) for p, params in reqs], {}, 0
+        while engine.has_unfinished_requests():
+            done |= {o.request_id: o for o in engine.step() if o.finished}
+            running = engine.scheduler.running
+            assert len(running) == 1 or sum(len(r.prompt_token_ids) for r in running) <= \
+                engine.config.max_running_tokens
+            most = max(most, len(running))
+        assert [[c.token_ids for c in done[i].outputs] for i in ids] == [[r] for r in reference]
+        return most
+
+    # 60 tokens: the 70-token prompt runs alone, the others two or three at a time
+    assert most_running(engine_for(model, max_running_tokens=60)) < most_running(engine_for(model)) == 4
+
+
 # ---------------------------------------------------------------- SmolLM2
 
 @pytest.fixture(scope="module")
@@ -315,6 +336,7 @@ def test_bad_input_is_refused_and_the_engine_keeps_serving(call, message):
     (dict(watermark=1.5), "watermark"), (dict(layout="paged"), "layout"), (dict(page_size=5000), "page_size"),
     (dict(kv_cache="vector"), "kv_cache must be one of"), (dict(block_size=0), "block_size"),
     (dict(gpu_memory_utilization=0), "gpu_memory_utilization must be in"),
+    (dict(max_running_tokens=0), "max_running_tokens must be"), (dict(max_running_tokens=True), "max_running_tokens"),
 ])
 def test_bad_engine_settings(settings, message):
     model = tiny_model("llama", "sdpa")

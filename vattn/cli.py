@@ -91,9 +91,12 @@ def bench(args) -> None:
                    attention=args.attention, tensor_parallel_size=args.tensor_parallel_size)
     elif args.what == "sweep":
         from vattn.bench import sweep
+        from vattn.engine import EngineConfig
 
-        sweep.run(args.json, args.max_num_seqs or [16, 32, 64, 128], args.max_num_batched_tokens or [256, 512, 1024],
-                  workload=args.workload, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+        limits = {"max_num_seqs": args.max_num_seqs or [16, 32, 64, 128],
+                  "max_num_batched_tokens": args.max_num_batched_tokens or [256, 512, 1024],
+                  "max_running_tokens": args.max_running_tokens or [EngineConfig().max_running_tokens]}
+        sweep.run(args.json, limits, workload=args.workload, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
                   rate=args.request_rate[0], rounds=args.rounds)
     elif args.what == "soak":
         from vattn.bench import soak
@@ -133,6 +136,11 @@ def _one(args, name: str) -> int | None:
     if values and len(values) > 1:
         raise SystemExit(f"vattn bench {args.what}: --{name.replace('_', '-')} takes one value (several: bench sweep)")
     return values[0] if values else None
+
+
+def _tokens(text: str) -> int | None:
+    """A token count, or none."""
+    return None if text.lower() == "none" else int(text)
 
 
 def _bytes(text: str | None) -> int | None:
@@ -193,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="engine: sequences at once (default: the engine's); sweep: values to try (16 32 64 128)")
     p.add_argument("--max-num-batched-tokens", type=int, nargs="+",
                    help="engine: tokens a forward (default: the engine's); sweep: values to try (256 512 1024)")
+    p.add_argument("--max-running-tokens", type=_tokens, nargs="+",
+                   help="sweep: values to try, none for no limit (default: the engine's)")
     p.add_argument("--attention", choices=["native", "flash", "triton", "sdpa"],
                    help="engine: the attention kernel (default: the first that serves, vattn.attention.registry)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="engine: ranks the model's heads are split over")

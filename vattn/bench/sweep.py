@@ -1,7 +1,7 @@
 """`vattn bench sweep`: the engine's batch limits measured, to choose its
 defaults: `bench e2e`'s workload and KV budget through `vattn` workers, one
-per (`max_num_seqs`, `max_num_batched_tokens`), taking turns in each round;
-each figure the median of `rounds` rounds."""
+per point of the grid of `LIMITS`' values, taking turns in each round; each
+figure the median of `rounds` rounds."""
 import itertools
 import tempfile
 from pathlib import Path
@@ -10,10 +10,12 @@ from vattn.bench import e2e
 from vattn.bench.report import median_figures
 from vattn.report import console, print_table, write_json
 
+LIMITS = ("max_num_seqs", "max_num_batched_tokens", "max_running_tokens")  # the `EngineConfig` settings swept
 
-def run(json_path: str | None, max_num_seqs: list[int], max_num_batched_tokens: list[int],
-        workload: str = "sharegpt", num_prompts: int | None = None, max_tokens: int | None = None,
-        rate: float = float("inf"), rounds: int = 3) -> dict:
+
+def run(json_path: str | None, limits: dict[str, list], workload: str = "sharegpt", num_prompts: int | None = None,
+        max_tokens: int | None = None, rate: float = float("inf"), rounds: int = 3) -> dict:
+    """`limits`: the values of each of `LIMITS` to try."""
     from vattn.config import CacheConfig, resolve
     from vattn.engine import EngineConfig
     from vattn.models import ENGINE_DTYPE, load_smollm2
@@ -27,32 +29,31 @@ def run(json_path: str | None, max_num_seqs: list[int], max_num_batched_tokens: 
     reqs = e2e.requests(tokenizer, workload, **sizes)
     del model
     due = e2e.arrivals(len(reqs), rate)
-    grid = list(itertools.product(max_num_seqs, max_num_batched_tokens))
+    grid = [dict(zip(LIMITS, point)) for point in itertools.product(*(limits[name] for name in LIMITS))]
     log = Path(tempfile.mkdtemp(prefix="vattn-sweep-logs-"))
-    workers, runs = {}, {point: [] for point in grid}
+    workers, runs = [], [[] for _ in grid]
     try:
-        for seqs, tokens in grid:
-            options = {"memory_budget": budget, "max_num_seqs": seqs, "max_num_batched_tokens": tokens}
-            workers[seqs, tokens] = worker = e2e.Worker("vattn", options, log / f"vattn_{seqs}_{tokens}.log")
-            worker.serve(reqs[:4], [0.0] * min(4, len(reqs)))  # warm-up, not timed
+        for point in grid:
+            name = "_".join(str(v) for v in point.values())
+            workers.append(e2e.Worker("vattn", {"memory_budget": budget} | point, log / f"vattn_{name}.log"))
+            workers[-1].serve(reqs[:4], [0.0] * min(4, len(reqs)))  # warm-up, not timed
         for k in range(rounds):
-            for point in grid[k % len(grid):] + grid[:k % len(grid)]:
-                console.print(f"round {k + 1}/{rounds}: max_num_seqs={point[0]}, max_num_batched_tokens={point[1]}")
-                runs[point].append(e2e.figures(workers[point].serve(reqs, due), reqs))
+            for i in [*range(k % len(grid), len(grid)), *range(k % len(grid))]:
+                console.print(f"round {k + 1}/{rounds}: " + ", ".join(f"{n}={v}" for n, v in grid[i].items()))
+                runs[i].append(e2e.figures(workers[i].serve(reqs, due), reqs))
     finally:
-        for w in workers.values():
+        for w in workers:
             w.close()
-    rows = [{"max_num_seqs": s, "max_num_batched_tokens": t} | median_figures(runs[s, t]) | {"rounds": runs[s, t]}
-            for s, t in grid]
+    rows = [point | median_figures(r) | {"rounds": r} for point, r in zip(grid, runs)]
     best = max(rows, key=lambda r: r["output_tok_per_s"])
     result = {"workload": workload, **sizes, "prompt_tokens": sum(len(r["prompt"]) for r in reqs),
               "request_rate": e2e.rate_label(rate), "kv_budget_bytes": budget, "rounds_per_figure": rounds,
-              "rows": rows, "best": {k: best[k] for k in ("max_num_seqs", "max_num_batched_tokens")}}
+              "rows": rows, "best": {name: best[name] for name in LIMITS}}
     print_table(f"engine sweep: {len(reqs)} {workload} requests, rate {e2e.rate_label(rate)}, EOS ignored, "
                 f"KV budget {budget / 2**30:.2f} GiB; medians of {rounds} rounds",
-                ["max_num_seqs", "max_num_batched_tokens", "output tok/s", "TTFT ms median", "TPOT ms median", ""],
-                [[r["max_num_seqs"], r["max_num_batched_tokens"], f"{r['output_tok_per_s']:.1f}",
-                  f"{r['ttft_ms']['median']:,.0f}", f"{r['tpot_ms']['median']:,.0f}", "best" if r is best else ""]
-                 for r in rows])
+                [*LIMITS, "output tok/s", "TTFT ms median", "TPOT ms median", "KV GiB", ""],
+                [[*(r[name] for name in LIMITS), f"{r['output_tok_per_s']:.1f}", f"{r['ttft_ms']['median']:,.0f}",
+                  f"{r['tpot_ms']['median']:,.0f}", f"{r['kv_bytes_committed'] / 2**30:.2f}",
+                  "best" if r is best else ""] for r in rows])
     write_json(json_path, result)
     return result

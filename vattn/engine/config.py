@@ -9,9 +9,14 @@ KV_CACHES = ("virtual", "paged")
 class EngineConfig:
     """`max_num_seqs` sequences run at once, one cache slot each;
     `max_num_batched_tokens` bounds the tokens of one forward (decode tokens
-    first, then prefill chunks).  `memory_budget` is the KV memory in bytes
-    (default: every slot at `max_seq_len`).  A request is admitted only while
-    `watermark` of the pages would stay free or reclaimable.  `map_ahead`
+    first, then prefill chunks).  A waiting request is admitted only while the
+    tokens of the running sequences (prompts and answers so far) and of its
+    prompt stay within `max_running_tokens` (None: no limit), or nothing runs:
+    past that a decode step's time grows with the tokens its attention reads,
+    so more sequences add memory and time a token, not tokens a second.
+    `memory_budget` is the KV memory in bytes (default: every slot at
+    `max_seq_len`).  A request is admitted only while `watermark` of the pages
+    would stay free or reclaimable.  `map_ahead`
     maps the pages the next step needs on a background thread while the
     current step computes.  `layout` and `page_size` are the virtual cache's
     (default: the device's, `vattn.config.DEFAULTS`); on CUDA the pool takes
@@ -43,6 +48,7 @@ class EngineConfig:
 
     max_num_seqs: int = 64  # the batch limits `vattn bench sweep` found fastest (benchmarks/README.md)
     max_num_batched_tokens: int = 512
+    max_running_tokens: int | None = 32768
     max_seq_len: int = 2048
     memory_budget: int | None = None
     page_size: int | None = None
@@ -69,6 +75,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+        tokens = self.max_running_tokens
+        if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0):
+            raise ValueError(f"EngineConfig.max_running_tokens must be a positive int or None, got {tokens!r}")
         for name in ("enable_prefix_caching", "map_ahead", "deferred_reclamation", "pack_linears",
                      "fuse_projections", "own_forward", "fuse_elementwise", "native_gemm", "compile"):
             if not isinstance(getattr(self, name), bool):

@@ -5,8 +5,8 @@ Every step: running requests first, oldest first, each given its next tokens
 they need; when pages run short, the most recently arrived running request is
 preempted (all its sequences, by recompute or swap) until the older one fits.
 Then, if nothing was preempted, swapped requests come back, then waiting ones
-are admitted (FCFS) while slots, the token budget and the memory watermark
-allow.  The sequences of one request are scheduled together or not at all.
+are admitted (FCFS) while slots, the token budget, the running tokens and the
+memory watermark allow.  The sequences of one request are scheduled together or not at all.
 """
 import bisect
 import time
@@ -129,6 +129,9 @@ class Scheduler:
         seqs = sum(r.params.n - (len(r.seqs) - len(r.live_seqs)) for r in self.running)
         if seqs + req.params.n > self.config.max_num_seqs or budget < len(req.live_seqs):
             return False
+        limit = self.config.max_running_tokens
+        if limit is not None and self.running and sum(map(_tokens, self.running)) + _tokens(req) > limit:
+            return False
         return self._fits(sum(self.kv.pages_for(len(s.token_ids)) for s in req.live_seqs))
 
     def _fits(self, pages: int) -> bool:
@@ -209,6 +212,11 @@ class Scheduler:
             return call(*args)
         finally:
             self.map_seconds += time.perf_counter() - start
+
+
+def _tokens(req: Request) -> int:
+    """The tokens of a request's live sequences, a sample not yet forked at the prompt's length."""
+    return sum(len(s.token_ids) for s in req.live_seqs) + (req.params.n - len(req.seqs)) * len(req.prompt_token_ids)
 
 
 def _insert(queue: list[Request], req: Request) -> None:
