@@ -68,10 +68,15 @@ def smollm2():
     return model, prompts
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("layout, page_size", [("per_layer", 64 << 10), ("per_head", 16 << 10),
-                                               ("interleaved", 2 << 20)])
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+# every layout with every mode, the attention alternating so that each meets both layouts and modes
+# (the tiny models above take the whole grid)
+SMOLLM2_CASES = [(("eager", "sdpa")[(i + j) % 2], layout, page_size, mode)
+                 for i, (layout, page_size) in enumerate([("per_layer", 64 << 10), ("per_head", 16 << 10),
+                                                          ("interleaved", 2 << 20)])
+                 for j, mode in enumerate(MODES)]
+
+
+@pytest.mark.parametrize("attn, layout, page_size, mode", SMOLLM2_CASES)
 def test_smollm2_matches_dynamic_cache(smollm2, attn, layout, page_size, mode):
     model, prompts = smollm2
     model.set_attn_implementation(attn)
