@@ -48,7 +48,7 @@ class EngineConfig:
 
     max_num_seqs: int = 64  # the batch limits `vattn bench sweep` found fastest (benchmarks/README.md)
     max_num_batched_tokens: int = 512
-    max_running_tokens: int | None = 32768
+    max_running_tokens: int | None = 32768  # a third less KV for 2% of the long chats' tokens/s (benchmarks/README.md)
     max_seq_len: int = 2048
     memory_budget: int | None = None
     page_size: int | None = None
@@ -71,13 +71,12 @@ class EngineConfig:
     tensor_parallel_size: int = 1
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len", "block_size", "tensor_parallel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
-        tokens = self.max_running_tokens
-        if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens <= 0):
-            raise ValueError(f"EngineConfig.max_running_tokens must be a positive int or None, got {tokens!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_running_tokens", "max_seq_len", "block_size",
+                     "tensor_parallel_size"):
+            value, optional = getattr(self, name), name == "max_running_tokens"  # None: no limit
+            if (value is not None or not optional) and (
+                    not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"EngineConfig.{name} must be a positive int{' or None' * optional}, got {value!r}")
         for name in ("enable_prefix_caching", "map_ahead", "deferred_reclamation", "pack_linears",
                      "fuse_projections", "own_forward", "fuse_elementwise", "native_gemm", "compile"):
             if not isinstance(getattr(self, name), bool):
