@@ -48,7 +48,7 @@ class EngineConfig:
 
     max_num_seqs: int = 64  # the batch limits `vattn bench sweep` found fastest (benchmarks/README.md)
     max_num_batched_tokens: int = 512
-    max_running_tokens: int | None = 32768  # a third less KV for 2% of the long chats' tokens/s (benchmarks/README.md)
+    max_running_tokens: int | None = 32768  # 29% less KV for 2% of the long chats' tokens/s (benchmarks/README.md)
     max_seq_len: int = 2048
     memory_budget: int | None = None
     page_size: int | None = None
