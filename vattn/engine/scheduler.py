@@ -6,7 +6,8 @@ they need; when pages run short, the most recently arrived running request is
 preempted (all its sequences, by recompute or swap) until the older one fits.
 Then, if nothing was preempted, swapped requests come back, then waiting ones
 are admitted (FCFS) while slots, the token budget, the running tokens and the
-memory watermark allow.  The sequences of one request are scheduled together or not at all.
+memory watermark allow.  The sequences of one request are scheduled together
+or not at all.
 """
 import bisect
 import time
