@@ -16,6 +16,7 @@ from tiny_models import SMALL, TINY, faulty_loader
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from vattn import LLM, SamplingParams
+from vattn.bench.soak import FailingProcessor
 from vattn.engine.parallel import RankFailed
 
 WIDE = dict(SMALL, num_attention_heads=4, num_key_value_heads=4)  # 4 KV heads: 2 a rank at TP 2
@@ -95,23 +96,27 @@ def test_two_ranks_under_preemption_equal_one(llama, mode):
     assert outputs == single and stats.preemptions > 0
 
 
-def test_an_abort_under_two_ranks_leaves_every_rank_the_same(llama):
-    """Steps driven one by one, a request aborted halfway: the others finish as
-    in one process, and every rank's books agree."""
+def test_an_abort_and_a_failing_request_under_two_ranks_leave_every_rank_the_same(llama):
+    """Steps driven one by one, a request aborted halfway and another ended by
+    its failing logits processor (the shared prompt, 3 samples): the others
+    finish as in one process, and every rank's books agree."""
     path, _ = llama
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     finished = []
     for size in (1, 2):
         engine = LLM(str(path), tensor_parallel_size=size, **SETTINGS).engine
         ids = [engine.add_request(p, params) for p in prompts()]
+        engine.add_request(prompts()[4], SamplingParams(max_tokens=24, n=3, seed=1, ignore_eos=True,
+                                                         logits_processors=[FailingProcessor(at=8)]), "bad")
         for _ in range(5):
             engine.step()
         engine.abort(ids[1])
-        finished.append({o.request_id: o.outputs[0].token_ids for o in engine.stream() if o.finished})
+        finished.append({o.request_id: (o.outputs[0].token_ids, o.error) for o in engine.stream() if o.finished})
         books = engine.rank_books()
         assert len(books) == size and all(b == books[0] for b in books)
         engine.close()
     assert finished[0] == finished[1] and ids[1] not in finished[1]
+    assert finished[1]["bad"][1].startswith("RuntimeError: poisoned")
     assert no_ranks_left()
 
 
@@ -138,6 +143,7 @@ def test_three_ranks_serve_smollm2_as_one_does():
 TORCHRUN_SCRIPT = """
 import sys
 from vattn import LLM, SamplingParams
+from vattn.bench.soak import FailingProcessor
 llm = LLM(sys.argv[1], tensor_parallel_size=2, page_size=4096, max_num_seqs=4, max_seq_len=160)
 out = llm.generate([[3, 5, 7, 9]], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
 print("tokens", out[0].outputs[0].token_ids, flush=True)

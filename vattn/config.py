@@ -6,6 +6,8 @@ from typing import Literal
 
 import torch
 
+from vattn.checks import is_int, is_number
+
 KiB, MiB = 1 << 10, 1 << 20
 LAYOUTS = ("per_layer", "per_head", "interleaved")
 # The defaults, per device type.  On the host the per-head layout reads like a
@@ -61,13 +63,13 @@ class CacheConfig:
             value = getattr(self, name)
             if value is None and name in ("page_size", "memory_budget"):
                 continue
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_int(value) or value <= 0:
                 raise ValueError(f"CacheConfig.{name} must be a positive int, got {value!r}")
         if not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"CacheConfig.dtype must be a torch.dtype, got {self.dtype!r}")
         if self.layout is not None and self.layout not in LAYOUTS:
             raise ValueError(f"CacheConfig.layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        if not (is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization!r}")
 

@@ -1,14 +1,28 @@
 """How a request is sampled and when it stops (vLLM's names)."""
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
+
+from vattn.checks import is_int, is_number
+
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily (vLLM's _SAMPLING_EPS)
+SEEDS = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """`temperature=0` is greedy.  With `n > 1`, sample i draws from its own
-    generator seeded `seed + i`, so it equals a lone request seeded `seed + i`.
-    Generation stops at `max_tokens`, at the tokenizer's end-of-sequence token
-    (unless `ignore_eos`), at any of `stop_token_ids`, or when the text ends
-    with one of `stop` (removed from the text, like vLLM)."""
+    """`temperature` below 1e-5 is greedy.  With `n > 1`, sample i draws from
+    its own generator seeded `seed + i`, so it equals a lone request seeded
+    `seed + i`.  Generation stops at `max_tokens`, at the tokenizer's
+    end-of-sequence token (unless `ignore_eos`), at any of `stop_token_ids`,
+    or when the text ends with one of `stop` (removed from the text, like
+    vLLM).  `logits_processors` are called in order on each sample's row of
+    logits before it is sampled, as `processor(output_token_ids, logits)`
+    returning the row to sample from (vLLM's per-request processors); one
+    that raises ends its request with an error and nothing else."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -19,19 +33,26 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        n_ok = is_int(self.n) and self.n > 0
         checks = [
-            ("max_tokens", _is_int(self.max_tokens) and self.max_tokens > 0, "a positive int"),
-            ("n", _is_int(self.n) and self.n > 0, "a positive int"),
-            ("temperature", _is_number(self.temperature) and self.temperature >= 0, "a number ≥ 0"),
-            ("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
-            ("top_k", _is_int(self.top_k) and self.top_k >= 0, "an int ≥ 0 (0: no limit)"),
-            ("seed", self.seed is None or _is_int(self.seed), "an int or None"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "a list of non-empty strings"),
-            ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "a list of token ids"),
+            ("max_tokens", is_int(self.max_tokens) and self.max_tokens > 0, "a positive int"),
+            ("n", n_ok, "a positive int"),
+            ("temperature", is_number(self.temperature) and self.temperature >= 0, "a number ≥ 0"),
+            ("top_p", is_number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("top_k", is_int(self.top_k) and self.top_k >= 0, "an int ≥ 0 (0: no limit)"),
+            ("seed", self.seed is None or (is_int(self.seed) and n_ok and SEEDS[0] <= self.seed
+                                           and self.seed + self.n - 1 <= SEEDS[1]),
+             f"an int or None, with seed + n - 1 in [{SEEDS[0]}, {SEEDS[1]}] (sample i is seeded seed + i)"),
+            ("stop", _is_list(self.stop, lambda s: isinstance(s, str) and s != ""),
+             "a non-empty string or a list of them"),
+            ("stop_token_ids", _is_list(self.stop_token_ids, lambda t: is_int(t) and t >= 0), "a list of token ids"),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "a bool"),
+            ("logits_processors", _is_list(self.logits_processors, callable), "a list of callables"),
         ]
         for name, ok, what in checks:
             if not ok:
@@ -39,12 +60,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+def _is_list(x, each) -> bool:
+    return isinstance(x, (list, tuple)) and all(each(v) for v in x)

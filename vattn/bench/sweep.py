@@ -25,7 +25,8 @@ def run(json_path: str | None, limits: dict[str, list], workload: str = "sharegp
     sizes = e2e.WORKLOADS[workload] | {k: v for k, v in dict(num_prompts=num_prompts, max_tokens=max_tokens).items()
                                        if v}
     model, tokenizer = load_smollm2(dtype=ENGINE_DTYPE)
-    budget = e2e.default_budget(resolve(CacheConfig.from_model(model, **EngineConfig().cache_settings())))
+    engine = EngineConfig().for_model(model)
+    budget = e2e.default_budget(resolve(CacheConfig.from_model(model, **engine.cache_settings())))
     reqs = e2e.requests(tokenizer, workload, **sizes)
     del model
     due = e2e.arrivals(len(reqs), rate)

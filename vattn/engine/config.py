@@ -1,5 +1,10 @@
 """Engine settings (vLLM's names where they exist)."""
+import dataclasses
 from dataclasses import dataclass
+
+from vattn.checks import is_int, is_number
+
+DEFAULT_MAX_SEQ_LEN = 2048  # or the model's positions, if fewer
 
 PREEMPTION_MODES = ("recompute", "swap")
 KV_CACHES = ("virtual", "paged")
@@ -14,6 +19,9 @@ class EngineConfig:
     prompt stay within `max_running_tokens` (None: no limit), or nothing runs:
     past that a decode step's time grows with the tokens its attention reads,
     so more sequences add memory and time a token, not tokens a second.
+    `max_seq_len` (vLLM's `max_model_len`) defaults to 2048 or the model's
+    positions (`max_position_embeddings`), if fewer; a larger one is refused
+    unless `allow_long_max_seq_len` says the model is good past its positions.
     `memory_budget` is the KV memory in bytes (default: every slot at
     `max_seq_len`).  A request is admitted only while `watermark` of the pages
     would stay free or reclaimable.  `map_ahead`
@@ -49,7 +57,8 @@ class EngineConfig:
     max_num_seqs: int = 64  # the batch limits `vattn bench sweep` found fastest (benchmarks/README.md)
     max_num_batched_tokens: int = 512
     max_running_tokens: int | None = 32768  # 29% less KV for 2% of the long chats' tokens/s (benchmarks/README.md)
-    max_seq_len: int = 2048
+    max_seq_len: int | None = None
+    allow_long_max_seq_len: bool = False
     memory_budget: int | None = None
     page_size: int | None = None
     layout: str | None = None
@@ -73,12 +82,11 @@ class EngineConfig:
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_running_tokens", "max_seq_len", "block_size",
                      "tensor_parallel_size"):
-            value, optional = getattr(self, name), name == "max_running_tokens"  # None: no limit
-            if (value is not None or not optional) and (
-                    not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            value, optional = getattr(self, name), name in ("max_running_tokens", "max_seq_len")  # None: default
+            if (value is not None or not optional) and not (is_int(value) and value > 0):
                 raise ValueError(f"EngineConfig.{name} must be a positive int{' or None' * optional}, got {value!r}")
-        for name in ("enable_prefix_caching", "map_ahead", "deferred_reclamation", "pack_linears",
-                     "fuse_projections", "own_forward", "fuse_elementwise", "native_gemm", "compile"):
+        for name in ("allow_long_max_seq_len", "enable_prefix_caching", "map_ahead", "deferred_reclamation",
+                     "pack_linears", "fuse_projections", "own_forward", "fuse_elementwise", "native_gemm", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -86,16 +94,29 @@ class EngineConfig:
                              f"got {self.preemption_mode!r}")
         if self.kv_cache not in KV_CACHES:
             raise ValueError(f"EngineConfig.kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        if not (is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization!r}")
-        if not 0 <= self.watermark < 1:
+        if not (is_number(self.watermark) and 0 <= self.watermark < 1):
             raise ValueError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")
         if self.compile and self.tensor_parallel_size > 1:
             raise ValueError("EngineConfig.compile does not run under tensor parallelism (tensor_parallel_size > 1)")
+
+    def for_model(self, model) -> "EngineConfig":
+        """These settings with `max_seq_len` set for `model`, whose positions
+        (`max_position_embeddings`, where its config has them) bound it."""
+        positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        if self.max_seq_len is None:
+            return dataclasses.replace(self, max_seq_len=min(DEFAULT_MAX_SEQ_LEN, positions or DEFAULT_MAX_SEQ_LEN))
+        if positions and self.max_seq_len > positions and not self.allow_long_max_seq_len:
+            raise ValueError(f"EngineConfig.max_seq_len={self.max_seq_len} is more than the model's "
+                             f"max_position_embeddings={positions}; set allow_long_max_seq_len=True if the "
+                             f"model is good past its positions")
+        return self
 
     def cache_settings(self) -> dict:
         """The `CacheConfig` settings of this engine (the model gives the geometry)."""
         return dict(max_num_seqs=self.max_num_seqs, max_seq_len=self.max_seq_len, memory_budget=self.memory_budget,
                     page_size=self.page_size, layout=self.layout, deferred_reclamation=self.deferred_reclamation,
                     gpu_memory_utilization=self.gpu_memory_utilization)
+

@@ -9,10 +9,11 @@ import itertools
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
+import functools
 
 import torch
 
+from vattn.checks import is_int
 from vattn.config import CacheConfig
 from vattn.engine.config import EngineConfig
 from vattn.engine.lockstep import RecordingKV, books
@@ -22,13 +23,16 @@ from vattn.engine.model_runner import ModelRunner
 from vattn.engine.parallel import Group, Message, RankFailed
 from vattn.engine.plan import StepInputs, StepPlan
 from vattn.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
-from vattn.engine.sampler import sample_rows
+from vattn.engine.sampler import sample
 from vattn.engine.scheduler import Scheduler
 from vattn.kv.manager import KVCacheManager
 from vattn.kv.paged import PagedKVCache
 from vattn.kv.slots import SlotCache
 from vattn.kv.virtual import VirtualKVCache
 from vattn.sampling_params import SamplingParams
+
+
+UNHEALTHY_AFTER = 3  # forwards failing in a row
 
 
 def build_cache(model, config: EngineConfig) -> tuple[SlotCache, KVCacheManager]:
@@ -47,7 +51,7 @@ class LLMEngine:
         strings and output text; settings: `EngineConfig` fields.  With
         `group` (rank 0 of `vattn.engine.parallel.launch`), `model` is this
         rank's shard and every step is broadcast to the other ranks."""
-        self.config = config = config or EngineConfig(**settings)
+        self.config = config = (config or EngineConfig(**settings)).for_model(model)
         if (config.tensor_parallel_size > 1) != (group is not None):
             raise ValueError("tensor_parallel_size > 1 runs through vattn.LLM, which starts the ranks")
         self.cache, kv = build_cache(model, config)
@@ -65,6 +69,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self._vocab = model.config.get_text_config().vocab_size
         self._ids = itertools.count()
+        self._failed_forwards = 0  # in a row
 
     # ------------------------------------------------------------ requests
 
@@ -87,6 +92,8 @@ class LLMEngine:
             raise ValueError(f"n={params.n} samples need {params.n} slots and tokens per step; the engine runs "
                              f"max_num_seqs={self.config.max_num_seqs}, max_num_batched_tokens="
                              f"{self.config.max_num_batched_tokens}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         # every sample at its longest, each in its own pages (shared prompt pages stop being shared
@@ -120,32 +127,52 @@ class LLMEngine:
     # ------------------------------------------------------------ a step
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample; outputs of requests with new tokens."""
+        """Schedule, run one forward, sample; outputs of requests with new
+        tokens, and of those that ended in error.  What goes wrong for one
+        request (its admission, sampling, a logits processor, stop strings)
+        ends that request alone; an exception from the forward is raised
+        with nothing changed, and three in a row make the engine unhealthy."""
         start = time.perf_counter()
         mapped_before = self.scheduler.map_seconds
         plan = self.scheduler.schedule()
+        outputs = [self._fail(req, e) for req, e in plan.failed]
         if not plan.work:
-            if self.scheduler.has_unfinished and not plan.preempted:
+            if self.scheduler.has_unfinished and not plan.preempted and not plan.failed:
                 why = " (the process is at vm.max_map_count)" if self.kv.map_limit_hits else ""
                 raise RuntimeError(f"no request could be scheduled: memory is too short{why}")
-            return []
-        inputs = StepInputs.of(plan)
-        batch = self.runner.batch(inputs)
-        reads = self.runner.zero_fill_range(batch)
-        self._map_ahead(plan, background=reads is None)
-        if reads:
-            self.scheduler.timed(self.cache.zero_fill, *reads)
-        try:
-            with self._ranks():
-                self._broadcast(inputs)
-                logits = self.runner.run(inputs, batch)
-        finally:
-            waited = self._wait_for_mapping()
+            return outputs
+        logits, waited = self._forward(plan)
         usage, pages = self.kv.usage, self.kv.num_mapped_pages
-        outputs = self._sample(self.scheduler.update(plan), logits)
+        outputs += self._advance(plan, logits)
         self.stats.record(time.perf_counter() - start, self.scheduler.map_seconds - mapped_before + waited,
                           plan.num_tokens, usage, pages, not plan.prefills)
         return outputs
+
+    @property
+    def is_healthy(self) -> bool:
+        """False after three forwards in a row failed, or once the tensor-parallel ranks are down."""
+        return self._failed_forwards < UNHEALTHY_AFTER and not (self.group is not None and self.group.closed)
+
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, float]:
+        """(the logits of the rows that sample, the seconds spent waiting for the mapping worker)."""
+        try:
+            inputs = StepInputs.of(plan)
+            batch = self.runner.batch(inputs)
+            reads = self.runner.zero_fill_range(batch)
+            self._map_ahead(plan, background=reads is None)
+            if reads:
+                self.scheduler.timed(self.cache.zero_fill, *reads)
+            try:
+                with self._ranks():
+                    self._broadcast(inputs)
+                    logits = self.runner.run(inputs, batch)
+            finally:
+                waited = self._wait_for_mapping()
+        except Exception:
+            self._failed_forwards += 1
+            raise
+        self._failed_forwards = 0
+        return logits, waited
 
     def _map_ahead(self, plan: StepPlan, background: bool) -> None:
         """Map the page each sampling sequence needs for the token it feeds
@@ -197,26 +224,49 @@ class LLMEngine:
             self.kv.check()
             return self.group.gather(books(self.kv.kv))
 
-    def _sample(self, rows: list[tuple[Request, list[Sequence]]], logits: torch.Tensor) -> list[RequestOutput]:
-        now = time.perf_counter()
-        new = {}  # request -> {sample index: new token}
-        picked = [(row, req, s) for row, (req, seqs) in enumerate(rows) for s in seqs]
-        tokens = sample_rows(logits, [(row, req.params, s.generator) for row, req, s in picked])
-        for (_, req, s), token in zip(picked, tokens):
-            s.token_ids.append(token)
-            new.setdefault(req, {})[s.index] = token
-            self._check_stop(req, s)
-        outputs = []
-        for req, tokens in new.items():
-            req.token_times.append(now)
-            for s in req.seqs:
-                if s.index in tokens and s.finished:
-                    self.scheduler.finish(req, s)
-            if req.finished:
-                req.finish_time = now
-                del self.requests[req.request_id]
-            outputs.append(self._output(req, tokens))
+    def _advance(self, plan: StepPlan, logits: torch.Tensor) -> list[RequestOutput]:
+        """Each request's part of the step after the forward: the scheduler's
+        bookkeeping, a token for each of its sampling sequences, stop checks.
+        An exception in a request's part ends that request, and no other."""
+        now, outputs = time.perf_counter(), []
+        greedy = functools.cache(lambda: logits.argmax(-1).tolist())  # every row's greedy token, in one call
+        for req, work in plan.by_request().items():
+            try:
+                rows, new = dict(work), {}
+                for seq, parent in self.scheduler.update(req, list(rows)):
+                    row, p = rows[parent], req.params
+                    token = greedy()[row] if p.greedy and not p.logits_processors else sample(
+                        logits[row], p, seq.generator, seq.output_ids)
+                    seq.token_ids.append(token)
+                    new[seq.index] = token
+                    self._check_stop(req, seq)
+                if new:
+                    outputs.append(self._emit(req, new, now))
+            except Exception as e:
+                outputs.append(self._fail(req, e))
         return outputs
+
+    def _emit(self, req: Request, new: dict[int, int], now: float) -> RequestOutput:
+        """The output of a request that sampled `new` tokens (by sample index) this step."""
+        req.token_times.append(now)
+        for s in req.seqs:
+            if s.index in new and s.finished:
+                self.scheduler.finish(req, s)
+        if req.finished:
+            req.finish_time = now
+            del self.requests[req.request_id]
+        return self._output(req, new)
+
+    def _fail(self, req: Request, error: Exception) -> RequestOutput:
+        """End a request in error: its resources freed, its output saying why."""
+        self.scheduler.abort(req, error=True)
+        req.error = f"{type(error).__name__}: {error}"
+        for s in req.seqs:
+            if not s.finished:
+                s.finish_reason = "error"
+        req.finish_time = time.perf_counter()
+        self.requests.pop(req.request_id, None)
+        return self._output(req, {})
 
     def _check_stop(self, req: Request, seq: Sequence) -> None:
         p, token = req.params, seq.token_ids[-1]
@@ -228,12 +278,13 @@ class LLMEngine:
             seq.finish_reason = "length"
 
     def _output(self, req: Request, new: dict[int, int]) -> RequestOutput:
-        completions = [CompletionOutput(s.index, partial(_text, self.tokenizer, ids, s.stop_at), ids, s.finish_reason,
+        completions = [CompletionOutput(s.index, functools.partial(_text, self.tokenizer, ids, s.stop_at), ids, s.finish_reason,
                                         [new[s.index]] if s.index in new else [])
                        for s in req.seqs for ids in [s.output_ids]]
-        metrics = RequestMetrics(req.arrival_time, req.token_times[0], req.finish_time, req.token_times,
+        metrics = RequestMetrics(req.arrival_time, req.token_times[0] if req.token_times else None, req.finish_time, req.token_times,
                                  len(req.prompt_token_ids), req.num_cached_tokens)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished, metrics)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished, metrics,
+                             req.error)
 
     # ------------------------------------------------------------ text
 
@@ -245,7 +296,7 @@ class LLMEngine:
             text = prompt
         else:
             ids, text = list(prompt), None
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self._vocab for t in ids):
+            if not all(is_int(t) and 0 <= t < self._vocab for t in ids):
                 raise ValueError(f"prompt token ids must be ints in [0, {self._vocab})")
         if not ids:
             raise ValueError("the prompt is empty")

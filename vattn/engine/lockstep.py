@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from vattn.kv.manager import KVCacheManager
 from vattn.kv.sharing import SwappedSlot
 
-CHANGES = ("allocate", "allocate_slots", "fork", "map_ahead", "cache_tokens", "free", "swap_out", "swap_in",
-           "discard")
+CHANGES = ("allocate", "allocate_slots", "fork", "map_ahead", "cache_tokens", "free", "drop", "swap_out",
+           "swap_in", "discard")
 
 
 class Diverged(RuntimeError):
@@ -81,6 +81,10 @@ class RecordingKV:
     def _free(self, seq) -> None:
         self.kv.free(seq)
         self._log("free", (self._names.pop(seq),), None)
+
+    def _drop(self, seq) -> None:
+        self.kv.drop(seq)
+        self._log("drop", (self._names.pop(seq),), None)
 
     def _swap_out(self, seq) -> SwappedSlot:
         swapped = self.kv.swap_out(seq)

@@ -217,8 +217,8 @@ def serve(group: Group, model, settings: dict) -> None:
     from vattn.engine.model_runner import ModelRunner
 
     try:
-        config = EngineConfig(**settings)
         shard, _ = load(model, group.size, with_tokenizer=False)
+        config = EngineConfig(**settings).for_model(shard)
         cache, kv = build_cache(shard, config)
         runner = ModelRunner(shard, cache, config.attention, pack=False, fuse=False, own_forward=False)
         replica = Replica(kv)

@@ -29,6 +29,7 @@ class StepPlan:
     prefills: list[Work] = field(default_factory=list)  # prompt chunks (or recomputed history)
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)  # ended while being scheduled
 
     @property
     def work(self) -> list[Work]:
@@ -41,6 +42,15 @@ class StepPlan:
 
     def add(self, work: Work) -> None:
         (self.decodes if work.num_tokens == 1 else self.prefills).append(work)
+
+    def by_request(self) -> dict[Request, list[tuple[Work, int | None]]]:
+        """Each request's work, with the row of the forward's logits it
+        samples from (None: a prompt chunk short of the prompt's end)."""
+        out, row = {}, 0
+        for w in self.work:
+            out.setdefault(w.request, []).append((w, row if w.samples else None))
+            row += w.samples
+        return out
 
 
 @dataclass(slots=True, frozen=True)

@@ -29,7 +29,7 @@ class Sequence:
     generator: torch.Generator | None  # None: greedy
     num_computed_tokens: int = 0
     swapped: SwappedSlot | None = None
-    finish_reason: str | None = None  # "stop" or "length"
+    finish_reason: str | None = None  # "stop", "length", or "error"
     stop_at: int | None = None  # output characters kept when a stop string ended it
 
     @property
@@ -60,6 +60,7 @@ class Request:
     finish_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens a prefix-cache hit spared from prefill
     seed: int = 0
+    error: str | None = None  # why it ended in error, if it did
 
     def __post_init__(self):
         self.seed = self.params.seed if self.params.seed is not None else int(torch.randint(0, 2**62, ()))
@@ -128,3 +129,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    error: str | None = None  # set when the request ended in error: its samples' finish_reason is "error"

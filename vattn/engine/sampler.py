@@ -1,20 +1,15 @@
 """Next-token choice: greedy, or temperature / top-k / top-p sampling from
 each sequence's own generator (so a seeded sample does not depend on what
-else is in the batch)."""
+else is in the batch), after the request's logits processors."""
 import torch
 
 from vattn.sampling_params import SamplingParams
 
 
-def sample_rows(logits: torch.Tensor, picks: list[tuple[int, SamplingParams, torch.Generator | None]]) -> list[int]:
-    """A token for each (row of `logits [rows, vocab]`, params, generator):
-    the greedy ones from one argmax over the batch, the others one by one."""
-    best = logits.argmax(-1).tolist() if any(p.greedy for _, p, _ in picks) else None
-    return [best[row] if p.greedy else sample(logits[row], p, g) for row, p, g in picks]
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from `logits [vocab]`."""
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+           output_ids: list[int]) -> int:
+    """One token from `logits [vocab]`, the row of a sequence that has produced `output_ids` so far."""
+    logits = processed(logits, params, output_ids)
     if params.greedy:
         return int(logits.argmax())
     logits = logits.float() / params.temperature
@@ -27,3 +22,14 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         outside = sorted_probs.cumsum(-1) - sorted_probs > params.top_p  # keep the smallest set reaching top_p
         probs = probs.scatter(0, order[outside], 0.0)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def processed(logits: torch.Tensor, params: SamplingParams, output_ids: list[int]) -> torch.Tensor:
+    """`logits` through the request's logits processors, each given its own copy."""
+    for processor in params.logits_processors:
+        out = processor(list(output_ids), logits.clone())
+        if not isinstance(out, torch.Tensor) or out.shape != logits.shape:
+            raise ValueError(f"a logits processor must return a tensor of shape {tuple(logits.shape)}, got "
+                             f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))}")
+        logits = out
+    return logits

@@ -41,7 +41,9 @@ class Scheduler:
         for req in list(self.running):
             if req.status is not Status.RUNNING:
                 continue  # preempted for an older request in this loop
-            while (got := self._run(req, budget)) is None:
+            while (got := self._guarded(plan, req, self._run, req, budget)) is None:
+                if req.status is Status.FINISHED:
+                    break  # ended in error
                 victim = self.running[-1]
                 self._preempt(victim)
                 plan.preempted.append(victim)
@@ -51,12 +53,17 @@ class Scheduler:
         if plan.preempted:
             return plan
         for req in list(self.swapped):
-            if not self._swap_in(req):
+            back = self._guarded(plan, req, self._swap_in, req)
+            if req.status is Status.FINISHED:
+                continue  # ended in error
+            if not back:
                 return plan
-            budget -= self._add(plan, self._run(req, budget))
+            budget -= self._add(plan, self._guarded(plan, req, self._run, req, budget))
         while self.waiting and not self.swapped and self._can_admit(self.waiting[0], budget):
             req = self.waiting[0]
-            got = self._run(req, budget)
+            got = self._guarded(plan, req, self._run, req, budget)
+            if req.status is Status.FINISHED:
+                continue  # ended in error
             if not got:
                 break
             self.waiting.pop(0)
@@ -66,19 +73,31 @@ class Scheduler:
             budget -= self._add(plan, got)
         return plan
 
-    def update(self, plan: StepPlan) -> list[tuple[Request, list[Sequence]]]:
-        """The forward ran: count the computed tokens, hash the pages they
-        filled, and fork the other samples of a request whose prompt is done.
-        Returns, per row of logits, the request and the sequences that sample
-        from it."""
-        rows = []
-        for w in plan.work:
+    def _guarded(self, plan: StepPlan, req: Request, call, *args):
+        """`call(*args)`, on behalf of one request: an exception ends that
+        request (freed, and put in `plan.failed`) instead of the step, and
+        gives None."""
+        try:
+            return call(*args)
+        except Exception as e:
+            self.abort(req, error=True)
+            plan.failed.append((req, e))
+            return None
+
+    def update(self, req: Request, work: list[Work]) -> list[tuple[Sequence, Work]]:
+        """The forward ran `work`, this request's part of the step: count the
+        computed tokens, hash the pages they filled, and fork the other
+        samples once the prompt is done.  Returns each sequence that samples
+        now, with the work whose last token it samples after (a fork, its
+        parent's)."""
+        sampling = []
+        for w in work:
             seq = w.seq
             seq.num_computed_tokens += w.num_tokens
             self.kv.cache_tokens(seq, seq.token_ids, seq.num_computed_tokens)
             if w.samples:  # the first sample to finish the prompt brings the others (parallel sampling)
-                rows.append((w.request, [seq] + self._fork(w.request, seq)))
-        return rows
+                sampling += [(s, w) for s in [seq] + self._fork(req, seq)]
+        return sampling
 
     def _add(self, plan: StepPlan, got: list[Work] | None) -> int:
         for w in got or []:
@@ -194,13 +213,16 @@ class Scheduler:
             self.running.remove(req)
             req.status = Status.FINISHED
 
-    def abort(self, req: Request) -> None:
+    def abort(self, req: Request, error: bool = False) -> None:
+        """End the request now, freeing its slots and swapped KV; after an
+        `error` its pages go back to the pool, prefix hashes and all, since
+        what it computed last may be half done."""
         for seq in req.seqs:
             if seq.swapped is not None:
                 self.kv.discard(seq.swapped)
                 seq.swapped = None
             if self.kv.has_slot(seq):
-                self.kv.free(seq)
+                (self.kv.drop if error else self.kv.free)(seq)
         for queue in (self.waiting, self.running, self.swapped):
             if req in queue:
                 queue.remove(req)

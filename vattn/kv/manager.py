@@ -9,6 +9,7 @@ inside.  In the vocabulary of vLLM's `KVCacheManager` and nano-vllm's
     fork(parent, child, num_tokens)           a child sharing the parent's pages -> bool
     cache_tokens(seq, token_ids, n)           the first n tokens are computed: hash their full pages
     free(seq)                                 finished, aborted, or preempted by recompute
+    drop(seq)                                 ended in error: its pages back to the pool, unhashed
     swap_out(seq) / swap_in(seq, swapped)     preempted by swap, and back -> SwappedSlot / bool
     num_available_pages(), usage, ...         the numbers admission needs; queries never raise
 
@@ -186,6 +187,12 @@ class KVCacheManager:
         """The sequence is done with its slot (finished, aborted, or preempted
         by recompute): its pages stay mapped, idle, for reuse and prefix hits."""
         self.cache.free(self._take(seq))
+
+    def drop(self, seq: Hashable) -> None:
+        """The sequence ended in error: its slot is freed and its private
+        pages go back to the pool with their prefix hashes, so nothing it
+        wrote is resumed."""
+        self.cache.free(self._take(seq), keep=False)
 
     def swap_out(self, seq: Hashable) -> SwappedSlot:
         """Preempt by swap: the sequence's KV to host memory, its pages back."""

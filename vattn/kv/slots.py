@@ -160,13 +160,13 @@ class SlotCache(Access, Sharing, Inspection):
             sizes[slot] = max(s.capacity, num_tokens)
         return growth, sizes
 
-    def free(self, slot: int) -> None:
+    def free(self, slot: int, keep: bool = True) -> None:
         """Finish the slot's request.  Its private pages stay mapped (the slot
-        goes idle) unless deferred reclamation is off; pages it shares with
-        other slots are let go."""
+        goes idle) if `keep` and deferred reclamation is on; pages it shares
+        with other slots are let go."""
         s = self._active(slot)
         first_shared = next((j for j in range(s.shared_pages) if self.pool.refs[s.pages[j]] > 1), len(s.pages))
-        self._cut(slot, first_shared if self.config.deferred_reclamation else 0)
+        self._cut(slot, first_shared if keep and self.config.deferred_reclamation else 0)
         self._make_idle(s)
 
     def shrink(self, slots: Sequence[int]) -> int:
