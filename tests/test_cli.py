@@ -82,12 +82,12 @@ def test_bench_sweep_runs_each_point_of_the_grid(tmp_path):
 
 def test_bench_soak_passes_on_a_few_requests(tmp_path):
     path = tmp_path / "soak.json"
-    out = vattn("bench", "soak", "--requests", "40", "--json", str(path))
-    assert "soak: 40 requests per preemption mode" in out
+    out = vattn("bench", "soak", "--requests", "40", "--chaos", "--json", str(path))
+    assert "soak --chaos: 40 requests per preemption mode" in out
     rows = json.loads(path.read_text())["rows"]
     assert [r["mode"] for r in rows] == ["recompute", "swap"]
-    assert all(r["mismatches"] == r["missing"] == 0 and r["pool_whole"] and r["preemptions"] > 0 for r in rows)
-    assert all(r["finished"] + r["aborted"] == 40 for r in rows)
+    assert all(r["mismatches"] == r["lost"] == 0 and r["pool_whole"] and r["preemptions"] > 0 for r in rows)
+    assert all(r["finished"] + r["errors"] + r["aborted"] + r["refused"] == 40 and r["poisoned"] == 4 for r in rows)
 
 
 def test_bench_e2e_runs_every_system(tmp_path):

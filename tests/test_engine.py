@@ -416,12 +416,14 @@ def test_the_mapping_limit_stops_a_step_cleanly():
 
 # ---------------------------------------------------------------- soak
 
-@pytest.mark.parametrize("num_requests", [150, pytest.param(2000, marks=pytest.mark.slow)])
-def test_soak(num_requests):
-    for row in soak(num_requests):
+@pytest.mark.parametrize("num_requests, chaos", [(150, True), pytest.param(2000, False, marks=pytest.mark.slow),
+                                                  pytest.param(2000, True, marks=pytest.mark.slow)])
+def test_soak(num_requests, chaos):
+    for row in soak(num_requests, chaos=chaos):
         assert failures(row) == [], row
-        assert row["finished"] + row["aborted"] == num_requests and row["aborted"] > 0, row
-        assert row["preemptions"] >= num_requests // 20, row
+        assert row["finished"] + row["errors"] + row["aborted"] + row["refused"] == num_requests, row
+        assert row["aborted"] > 0 and row["preemptions"] >= num_requests // 20, row
+        assert (row["refused"] > 0 and row["errors"] > 0) == chaos, row
 
 
 def test_soak_fails_when_an_output_never_comes_back(monkeypatch):
@@ -435,4 +437,4 @@ def test_soak_fails_when_an_output_never_comes_back(monkeypatch):
 
     monkeypatch.setattr(LLMEngine, "step", dropping_step)
     rows = soak(60, modes=("recompute",))
-    assert rows[0]["missing"] == 1 and failures(rows[0]) == ["1 requests neither finished nor were aborted"]
+    assert rows[0]["lost"] == 1 and failures(rows[0]) == ["1 requests neither came back nor were aborted"]

@@ -101,7 +101,7 @@ def bench(args) -> None:
     elif args.what == "soak":
         from vattn.bench import soak
 
-        soak.run(args.json, num_requests=args.requests or 2000)
+        soak.run(args.json, num_requests=args.requests or 2000, chaos=args.chaos)
     elif args.what == "memory":
         from vattn.bench import memory
 
@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="engine: the attention kernel (default: the first that serves, vattn.attention.registry)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="engine: ranks the model's heads are split over")
     p.add_argument("--requests", type=int, help="soak: requests per preemption mode (2000); memory: per trace (500)")
+    p.add_argument("--chaos", action="store_true", help="soak: poison 5%% of the requests (failing logits "
+                   "processors, aborts, invalid input)")
     from vattn.bench.memory import MODELS, POLICIES, TRACES
 
     p.add_argument("--traces", nargs="+", choices=list(TRACES), default=list(TRACES), help="memory: traces")
