@@ -1,11 +1,17 @@
-"""The end-to-end benchmark's rules: every system's KV memory within one budget, and arrivals as
-`vllm bench serve` draws them (the systems themselves run in tests/test_cli.py)."""
+"""The end-to-end benchmark's rules: every system's KV memory within one budget, arrivals as
+`vllm bench serve` draws them, and peak memory as PSS, each page counted once (the systems
+themselves run in tests/test_cli.py)."""
+import os
 import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from vattn.bench import e2e
+from vattn.bench import e2e, pss
 from vattn.bench.report import median_figures
 from vattn.bench.shapes import SMOLLM2_135M
 from vattn.config import CacheConfig
@@ -86,3 +92,78 @@ def test_workload_flops_count_each_token_once():
     attend = 4 * 30 * 9 * 64
     assert flops.workload_flops(smollm2, [{"prompt": [1] * 10, "max_tokens": 3}]) == \
         12 * layers + attend * 78 + 3 * head
+
+
+# A parent that writes every page of SIZE bytes of anonymous memory and forks a child: the child
+# maps the same pages copy-on-write (from the moment it exists, and it never writes them), so they
+# are resident in both and RSS counts them twice; the child also fills OWN bytes of its own.  On a
+# line on stdin the child exits and the parent unmaps the memory ("freed").
+SHARING = """
+import mmap, os, sys
+size, own = int(sys.argv[1]), int(sys.argv[2])
+buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+for i in range(0, size, mmap.PAGESIZE):
+    buf[i] = 1
+r, w = os.pipe()
+if os.fork() == 0:
+    os.close(w)
+    mine = b"\\1" * own
+    print("shared", flush=True)
+    os.read(r, 1)
+    os._exit(0)
+os.close(r)
+sys.stdin.readline()
+os.close(w)
+os.wait()
+buf.close()
+print("freed", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _rss_bytes(pid: int) -> int:
+    return sum(e2e._status_kb(p, "VmRSS") for p in pss.tree(pid)) << 10
+
+
+def test_peak_pss_counts_shared_memory_once_and_keeps_its_peak():
+    size, own = 128 << 20, 32 << 20
+    # leaving closes stdin: the script then runs to its end (the child exits, the memory goes)
+    with subprocess.Popen([sys.executable, "-c", SHARING, str(size), str(own)], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as proc:
+        with pss.PeakPss(proc.pid, interval=0.05) as sampler:  # started before the child exists
+            assert proc.stdout.readline() == "shared\n"
+            assert len(pss.tree(proc.pid)) == 2
+            rss, now = _rss_bytes(proc.pid), pss.tree_pss_bytes(proc.pid)
+            assert rss >= 2 * size + own  # each process's RSS holds the whole buffer
+            assert size + own <= now < size + own + (32 << 20)  # PSS holds it once, beside two small interpreters
+            deadline = time.monotonic() + 10
+            while sampler.peak_bytes < size + own and time.monotonic() < deadline:  # the child found afresh
+                time.sleep(0.05)
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline() == "freed\n"
+            assert pss.tree(proc.pid) == [proc.pid] and pss.tree_pss_bytes(proc.pid) < size // 4
+            time.sleep(0.2)  # samples after the memory went
+    assert size + own <= sampler.peak_bytes < size + own + (32 << 20) < rss  # the peak is kept
+    assert sampler.stop() == sampler.peak_bytes  # stopping again changes nothing
+    assert pss.INTERVAL == pss.PeakPss(proc.pid).interval == 1.0  # e2e samples once a second
+
+
+def test_processes_gone_before_they_are_read_are_skipped(monkeypatch):
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    zombie = subprocess.Popen([sys.executable, "-c", ""])  # exited, not yet reaped: in /proc without memory
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    try:
+        assert pss.pss_bytes(gone.pid) == pss.pss_bytes(zombie.pid) == 0
+        assert pss.tree_pss_bytes(gone.pid) == 0
+        here = os.getpid()
+        monkeypatch.setattr(pss, "tree", lambda pid: [gone.pid, zombie.pid, here])  # listed, then gone
+        with pss.PeakPss(here, interval=0.01) as sampler:
+            time.sleep(0.05)
+        assert sampler.peak_bytes > 0
+    finally:
+        zombie.wait()

@@ -7,8 +7,16 @@ paged baseline), `vllm_cpu` (vLLM's own CPU engine, from the peer environment:
 `peers.py`), `hf_continuous_batching` and `hf_static` (transformers' own
 serving paths).  Each runs in a process of its own (`serve_worker.py`,
 `vllm_serve.py`) that stays up for the whole run, so its one-time costs
-(loading, vLLM's compile, a warm-up round) are not timed and its peak
-resident memory is its own.
+(loading, vLLM's compile, a warm-up round) are not timed and its memory
+is its own.
+
+Memory, for each system alike: `peak_pss_bytes`, the peak over the whole
+run, model loading included, of the PSS (proportional set size) of its worker
+and every process the worker started, summed, sampled once a second
+(`pss.PeakPss`) from the worker's start until it has served its last round: a
+page several of those processes share (vLLM runs several) counts once.
+`peak_rss_bytes` beside it sums their RSS high-water marks, which counts a
+shared page once per process.  The memory ratios are on PSS.
 
 Fair by construction: SmolLM2-135M in float32, both cores, the same token
 ids, greedy, EOS ignored (every answer is exactly its cap long), the same
@@ -32,6 +40,7 @@ from pathlib import Path
 import torch
 
 from vattn.bench import flops, peers
+from vattn.bench.pss import PeakPss, tree
 from vattn.bench.report import median_figures
 from vattn.engine.metrics import latency_report
 from vattn.engine.request import CompletionOutput, RequestMetrics, RequestOutput
@@ -116,7 +125,12 @@ class Worker:
         else:
             self._proc = subprocess.Popen([sys.executable, "-m", "vattn.bench.serve_worker", system, str(path)],
                                           **pipes)
-        self.ran = self._answer("ready")
+        self._pss = PeakPss(self._proc.pid).start()  # model loading included
+        try:
+            self.ran = self._answer("ready")
+        except BaseException:
+            self.close()
+            raise
 
     def serve(self, reqs: list[dict], due: list[float]) -> dict:
         out = Path(self._dir.name) / "round.json"
@@ -132,11 +146,15 @@ class Worker:
             raise RuntimeError(f"{self.system} stopped (exit code {self._proc.wait()}); its log: {self._log.name}")
         return json.loads(line)[key]
 
-    def peak_rss_bytes(self) -> int:
-        """The RSS high-water marks of the worker and every process it started, summed."""
-        return sum(_status_kb(pid, "VmHWM") for pid in _tree(self._proc.pid)) << 10
+    def peak_memory(self) -> dict:
+        """Once the worker is done serving: `peak_pss_bytes`, the peak PSS of the worker and every
+        process it started, summed, sampled each second since it started (sampling stops here);
+        `peak_rss_bytes`, their RSS high-water marks summed."""
+        return {"peak_pss_bytes": self._pss.stop(),
+                "peak_rss_bytes": sum(_status_kb(pid, "VmHWM") for pid in tree(self._proc.pid)) << 10}
 
     def close(self) -> None:
+        self._pss.stop()
         self._proc.stdin.close()
         try:
             self._proc.wait(timeout=60)
@@ -144,22 +162,6 @@ class Worker:
             self._proc.kill()
         self._log.close()
         self._dir.cleanup()
-
-
-def _tree(pid: int) -> list[int]:
-    children = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        out.append(p := todo.pop())
-        todo += children.get(p, [])
-    return out
 
 
 def _status_kb(pid: int, field: str) -> int:
@@ -194,7 +196,7 @@ def run(json_path: str | None, plot_dir: str | None, workload: str = "sharegpt",
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     sizes = WORKLOADS[workload] | {k: v for k, v in dict(num_prompts=num_prompts, max_tokens=max_tokens).items() if v}
     model, tokenizer = load_smollm2(dtype=ENGINE_DTYPE)
-    engine = EngineConfig()
+    engine = EngineConfig().for_model(model)
     cache = resolve(CacheConfig.from_model(model, **engine.cache_settings()))
     budget = kv_budget or default_budget(cache)
     reqs = requests(tokenizer, workload, **sizes)
@@ -219,7 +221,7 @@ def run(json_path: str | None, plot_dir: str | None, workload: str = "sharegpt",
                 workers[name] = Worker(system, options, log / f"{name}.log")
                 workers[name].serve(reqs[:4], [0.0] * min(4, len(reqs)))  # warm-up, not timed
         results = [_run_rate(workers, reqs, rate, burstiness, rounds) for rate in rates]
-        memory = {name: w.peak_rss_bytes() for name, w in workers.items()}
+        memory = {name: w.peak_memory() for name, w in workers.items()}
     finally:
         for w in workers.values():
             w.close()
@@ -231,7 +233,9 @@ def run(json_path: str | None, plot_dir: str | None, workload: str = "sharegpt",
               "request_rate": [rate_label(r) for r in rates], "rounds_per_figure": rounds, "kv_budget_bytes": budget,
               "versions": _versions(workers), "threads": {"torch": torch.get_num_threads(), "cores": os.cpu_count()},
               "rows": rows, "static_sweep": [s for r in results for s in r["sweep"]],
-              "ratios": {rate_label(r["rate"]): ratios(r["systems"]) for r in results}}
+              "ratios": {rate_label(r["rate"]): ratios(r["systems"]) for r in results},
+              "memory_ratios": {rate_label(r["rate"]): memory_ratios(
+                  {name: memory[s["worker"]]["peak_pss_bytes"] for name, s in r["systems"].items()}) for r in results}}
     _print(result)
     write_json(json_path, result)
     if plot_dir:
@@ -264,13 +268,14 @@ def _run_rate(workers: dict, reqs: list[dict], rate: float, burstiness: float, r
                        "output_tok_per_s": f["output_tok_per_s"], "chosen": n == best} for n, f in sweep.items()]}
 
 
-def _row(system: str, r: dict, rate_result: dict, rss: int, budget: int, ran: dict, work: int) -> dict:
+def _row(system: str, r: dict, rate_result: dict, memory: dict, budget: int, ran: dict, work: int) -> dict:
     f = r["figures"]
     return {"system": system, "request_rate": rate_label(rate_result["rate"]),
             "gflops_per_s": work / f["seconds"] / 1e9,
             **{k: f[k] for k in ("output_tok_per_s", "req_per_s", "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "seconds",
                                  "output_tokens", "kv_bytes_committed")},
-            "peak_rss_bytes": rss, "kv_budget_bytes": budget, "same_tokens_as_vattn": r["same_tokens_as_vattn"],
+            "peak_pss_bytes": memory["peak_pss_bytes"], "peak_rss_bytes": memory["peak_rss_bytes"],
+            "kv_budget_bytes": budget, "same_tokens_as_vattn": r["same_tokens_as_vattn"],
             "threads": ran.get("torch_threads") or ran.get("omp_threads_bind"), "settings": ran, "rounds": r["rounds"]}
 
 
@@ -279,6 +284,12 @@ def ratios(systems: dict) -> dict:
     by = {name: r["figures"]["output_tok_per_s"] for name, r in systems.items()}
     return {f"vattn_vs_{name}": by["vattn"] / tps for name, tps in by.items() if name != "vattn" and tps} \
         if "vattn" in by else {}
+
+
+def memory_ratios(peak_pss: dict) -> dict:
+    """vattn's peak PSS over each other system's (below 1: vattn takes less)."""
+    return {f"vattn_vs_{name}": peak_pss["vattn"] / b for name, b in peak_pss.items() if name != "vattn" and b} \
+        if "vattn" in peak_pss else {}
 
 
 def _print(result: dict) -> None:
@@ -290,15 +301,18 @@ def _print(result: dict) -> None:
     print_table(f"end to end: {result['requests']} {result['workload']} requests, SmolLM2-135M float32, answers ≤ "
                 f"{result['max_tokens']} tokens, EOS ignored; medians of {result['rounds_per_figure']} rounds",
                 ["system", "rate", "output tok/s", "req/s", "TTFT ms mean / med / p99", "TPOT ms", "ITL ms",
-                 "E2EL ms", "GFLOP/s", "peak RSS GiB", "KV GiB", "same tokens"],
+                 "E2EL ms", "GFLOP/s", "peak PSS GiB", "peak RSS GiB", "KV GiB", "same tokens"],
                 [[r["system"], r["request_rate"], f"{r['output_tok_per_s']:.1f}", f"{r['req_per_s']:.2f}",
                   lat(r["ttft_ms"]), lat(r["tpot_ms"]), lat(r["itl_ms"]), lat(r["e2el_ms"]), f"{r['gflops_per_s']:.0f}",
-                  f"{r['peak_rss_bytes'] / 2**30:.2f}", f"{r['kv_bytes_committed'] / 2**30:.2f}",
+                  f"{r['peak_pss_bytes'] / 2**30:.2f}", f"{r['peak_rss_bytes'] / 2**30:.2f}",
+                  f"{r['kv_bytes_committed'] / 2**30:.2f}",
                   f"{r['same_tokens_as_vattn']}/{result['requests']}"] for r in result["rows"]])
     console.print(f"the workload: {result['workload_flops'] / 1e12:.2f} TFLOP; this machine's float32 GEMM peak: "
                   f"{result['gemm_peak_gflops']:.0f} GFLOP/s")
     for rate, r in result["ratios"].items():
         console.print(f"rate {rate}: " + ", ".join(f"{k} {v:.2f}×" for k, v in r.items()))
+        if memory := result["memory_ratios"].get(rate):
+            console.print(f"rate {rate}, peak PSS: " + ", ".join(f"{k} {v:.2f}×" for k, v in memory.items()))
 
 
 def _plot(plot_dir: Path, rows: list[dict], workload: str) -> None:
