@@ -1,15 +1,17 @@
 """The serving engine: requests in, tokens out, one scheduler step at a time.
 
 A step is: the scheduler's plan (`schedule`), the pages the next step needs
-mapped in the background, one forward (`ModelRunner`), the scheduler's
-bookkeeping (`update`), sampling and stop checks, and the finished sequences
-let go.
+mapped in the background, one forward (`ModelRunner`), then, request by
+request, the scheduler's bookkeeping (`update`), sampling and stop checks,
+and the finished sequences let go.  What fails in one request's part ends
+that request with an error (`RequestOutput.error`), all it held freed, and
+nothing else.
 """
+import functools
 import itertools
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-import functools
 
 import torch
 
@@ -278,10 +280,11 @@ class LLMEngine:
             seq.finish_reason = "length"
 
     def _output(self, req: Request, new: dict[int, int]) -> RequestOutput:
-        completions = [CompletionOutput(s.index, functools.partial(_text, self.tokenizer, ids, s.stop_at), ids, s.finish_reason,
-                                        [new[s.index]] if s.index in new else [])
+        completions = [CompletionOutput(s.index, functools.partial(_text, self.tokenizer, ids, s.stop_at), ids,
+                                        s.finish_reason, [new[s.index]] if s.index in new else [])
                        for s in req.seqs for ids in [s.output_ids]]
-        metrics = RequestMetrics(req.arrival_time, req.token_times[0] if req.token_times else None, req.finish_time, req.token_times,
+        first_token = req.token_times[0] if req.token_times else None  # None: it ended in error before any
+        metrics = RequestMetrics(req.arrival_time, first_token, req.finish_time, req.token_times,
                                  len(req.prompt_token_ids), req.num_cached_tokens)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished, metrics,
                              req.error)
