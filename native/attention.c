@@ -42,6 +42,7 @@
 #include <string.h>
 
 #include "attention.h"
+#include "checked.h"
 #include "vector_math.h"
 
 /* the vector helpers are all inlined: no vector crosses a call */
@@ -120,16 +121,17 @@ INLINE float hsum(v8f x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6
 
 typedef struct {
     int64_t req;      /* its request */
-    int head;         /* its K/V head */
-    int j0, nq;       /* its queries: j0 .. j0 + nq - 1 of the request's G·num_q, token-major */
+    int64_t head;     /* its K/V head */
+    int64_t j0;       /* its queries: j0 .. j0 + nq - 1 of the request's G·num_q, token-major */
+    int nq;
     int64_t lo, hi;   /* the rows its queries read, together */
-    int splits;       /* > 1: its partial results go to `partial`, merged after */
+    int64_t splits;   /* > 1: its partial results go to `partial`, merged after */
     float *partial;   /* splits × (max[nq], sum[nq], acc[nq][D]) */
 } Tile;
 
 typedef struct {
     Tile *tile;
-    int split;
+    int64_t split;
     int64_t lo, hi;   /* the rows this split reads */
 } Item;
 
@@ -206,11 +208,11 @@ static void merge(const Call *c, const Tile *tile) {
     const int nq = tile->nq;
     for (int i = 0; i < nq; i++) {
         float best = -__builtin_inff(), sum = 0, acc[MAX_HEAD_DIM] = {0};
-        for (int s = 0; s < tile->splits; s++) {
+        for (int64_t s = 0; s < tile->splits; s++) {
             const float *part = tile->partial + s * nq * (D + 2);
             best = part[i] > best ? part[i] : best;
         }
-        for (int s = 0; s < tile->splits; s++) {
+        for (int64_t s = 0; s < tile->splits; s++) {
             const float *part = tile->partial + s * nq * (D + 2);
             if (part[nq + i] == 0) continue;  /* a split none of whose rows this query reads */
             float w = vexp((v8f){} + (part[i] - best))[0];
@@ -260,6 +262,10 @@ int parse_view(PyObject *arg, const char *name, int ndim, View *v) {
                      v->stride[ndim - 1]);
         return -1;
     }
+    if (!spans(v->ptr, ndim, v->shape, v->stride, v->dtype == BF16 ? 2 : 4)) {
+        PyErr_Format(PyExc_ValueError, "%s: its sizes and strides reach past the address space", name);
+        return -1;
+    }
     return 0;
 }
 
@@ -301,9 +307,9 @@ static int check(const View *q, const View *out, const View *k, const View *v, c
         if (r[REQ_NUM_Q] && r[REQ_START] > r[REQ_LENGTH] - r[REQ_NUM_Q])
             return FAIL("request %lld: start %lld is past its first query's position %lld", (long long)i,
                         (long long)r[REQ_START], (long long)(r[REQ_LENGTH] - r[REQ_NUM_Q]));
-        if (r[REQ_Q_FIRST] < 0 || r[REQ_Q_FIRST] + r[REQ_NUM_Q] > q->shape[0])
-            return FAIL("request %lld: query rows %lld..%lld are outside q's %lld tokens", (long long)i,
-                        (long long)r[REQ_Q_FIRST], (long long)(r[REQ_Q_FIRST] + r[REQ_NUM_Q]), q->shape[0]);
+        if (!inside(r[REQ_Q_FIRST], r[REQ_NUM_Q], q->shape[0]))
+            return FAIL("request %lld: %lld query rows from row %lld are outside q's %lld tokens", (long long)i,
+                        (long long)r[REQ_NUM_Q], (long long)r[REQ_Q_FIRST], q->shape[0]);
     }
     return 0;
 }
@@ -345,40 +351,49 @@ static int by_rows_descending(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
-/* Tiles and their splits; on success *tiles_out and c->items are malloc'd. */
+/* n things of `size` bytes, or NULL where they are more than memory holds. */
+static void *alloc_array(int64_t n, size_t size) {
+    size_t bytes;
+    return n == INT64_MAX || __builtin_mul_overflow((size_t)(n ? n : 1), size, &bytes) ? NULL : malloc(bytes);
+}
+
+/* Tiles and their splits; on success *tiles_out and c->items are malloc'd.  Counts saturate: a
+ * saturated one is more than memory holds, and its allocation fails. */
 static int plan(Call *c, int threads, Tile **tiles_out, float **partials_out) {
     int64_t num_tiles = 0, rows = 0;
-    for (int64_t i = 0; i < c->num_reqs; i++)
-        num_tiles += c->Hkv * ((c->G * c->reqs[i * REQ_FIELDS + REQ_NUM_Q] + TILE - 1) / TILE);
-    Tile *tiles = calloc(num_tiles ? num_tiles : 1, sizeof(Tile));
+    for (int64_t i = 0; i < c->num_reqs; i++)  /* G·num_q <= q's elements: no overflow */
+        num_tiles = add_sat(num_tiles, mul_sat(c->Hkv, ceil_div(c->G * c->reqs[i * REQ_FIELDS + REQ_NUM_Q], TILE)));
+    Tile *tiles = alloc_array(num_tiles, sizeof(Tile));
     if (!tiles) return -1;
     int64_t t = 0;
     for (int64_t i = 0; i < c->num_reqs; i++) {
         const int64_t *r = c->reqs + i * REQ_FIELDS;
+        if (!r[REQ_NUM_Q]) continue;  /* no tiles, however many heads */
         for (int64_t h = 0; h < c->Hkv; h++)
             for (int64_t j0 = 0; j0 < c->G * r[REQ_NUM_Q]; j0 += TILE, t++) {
                 Tile *tile = &tiles[t];
                 int64_t nq = c->G * r[REQ_NUM_Q] - j0, unused;
                 tile->req = i;
-                tile->head = (int)h;
-                tile->j0 = (int)j0;
+                tile->head = h;
+                tile->j0 = j0;
                 tile->nq = (int)(nq < TILE ? nq : TILE);
+                tile->partial = NULL;
                 query_rows(c, r, j0, &tile->lo, &unused);
                 query_rows(c, r, j0 + tile->nq - 1, &unused, &tile->hi);
-                rows += tile->hi - tile->lo;
+                rows = add_sat(rows, tile->hi - tile->lo);
             }
     }
     /* splits of at least MIN_SPLIT rows, about four items per thread */
-    int64_t chunk = threads > 1 ? rows / (4 * threads) : rows;
-    chunk = chunk < MIN_SPLIT ? MIN_SPLIT : (chunk + BLOCK - 1) / BLOCK * BLOCK;
+    int64_t chunk = threads > 1 ? rows / (4 * (int64_t)threads) : rows;
+    chunk = chunk < MIN_SPLIT ? MIN_SPLIT : mul_sat(ceil_div(chunk, BLOCK), BLOCK);
     int64_t num_items = 0, partial = 0;
     for (t = 0; t < num_tiles; t++) {
-        tiles[t].splits = (int)((tiles[t].hi - tiles[t].lo + chunk - 1) / chunk);
-        num_items += tiles[t].splits;
-        if (tiles[t].splits > 1) partial += tiles[t].splits * tiles[t].nq * (c->D + 2);
+        tiles[t].splits = ceil_div(tiles[t].hi - tiles[t].lo, chunk);
+        num_items = add_sat(num_items, tiles[t].splits);
+        if (tiles[t].splits > 1) partial = add_sat(partial, mul_sat(tiles[t].splits, tiles[t].nq * (c->D + 2)));
     }
-    Item *items = malloc((num_items ? num_items : 1) * sizeof(Item));
-    float *partials = malloc((partial ? partial : 1) * sizeof(float));
+    Item *items = alloc_array(num_items, sizeof(Item));
+    float *partials = alloc_array(partial, sizeof(float));
     if (!items || !partials) {
         free(tiles);
         free(items);
@@ -393,13 +408,12 @@ static int plan(Call *c, int threads, Tile **tiles_out, float **partials_out) {
             tile->partial = next_partial;
             next_partial += tile->splits * tile->nq * (c->D + 2);
         }
-        int64_t per = (tile->hi - tile->lo + tile->splits - 1) / tile->splits;
-        per = (per + BLOCK - 1) / BLOCK * BLOCK;
-        for (int s = 0; s < tile->splits; s++, n++) {
+        const int64_t len = tile->hi - tile->lo, per = mul_sat(ceil_div(ceil_div(len, tile->splits), BLOCK), BLOCK);
+        for (int64_t s = 0; s < tile->splits; s++, n++) {  /* s * per < len: per <= chunk */
             items[n].tile = tile;
             items[n].split = s;
             items[n].lo = tile->lo + s * per;
-            items[n].hi = tile->lo + (s + 1) * per < tile->hi ? tile->lo + (s + 1) * per : tile->hi;
+            items[n].hi = len > mul_sat(s + 1, per) ? tile->lo + (s + 1) * per : tile->hi;
         }
     }
     qsort(items, num_items, sizeof(Item), by_rows_descending);
@@ -418,10 +432,9 @@ int attend_table(const Py_buffer *table, int64_t *n) {
 }
 
 int attend_check(const View *q, const View *out, const View *k, const View *v, const View *nk, const View *nv,
-                 const int64_t *reqs, int64_t n, long long window, int threads) {
+                 const int64_t *reqs, int64_t n, long long window) {
     if ((nk == NULL) != (nv == NULL)) return FAIL("new_k and new_v come together");
     if (nk && check_new(nk, nv, q, k)) return -1;
-    if (threads < 1) return FAIL("threads must be at least 1, got %d", threads);
     return check(q, out, k, v, reqs, n, window);
 }
 
@@ -457,10 +470,12 @@ PyObject *attend(PyObject *mod, PyObject *args) {
     PyObject *qa, *outa, *ka, *va, *nka = Py_None, *nva = Py_None;
     Py_buffer reqs;
     double scale;
-    long long window;
-    int threads, failed;
-    if (!PyArg_ParseTuple(args, "OOOOy*dLi|OO", &qa, &outa, &ka, &va, &reqs, &scale, &window, &threads, &nka, &nva))
+    long long window, threads_arg;
+    int failed;
+    if (!PyArg_ParseTuple(args, "OOOOy*dLL|OO", &qa, &outa, &ka, &va, &reqs, &scale, &window, &threads_arg, &nka,
+                          &nva))
         return NULL;
+    const int threads = clamp_threads(threads_arg);
     View q, out, k, v, new_k, new_v;
     const View *nk = nka == Py_None ? NULL : &new_k, *nv = nva == Py_None ? NULL : &new_v;
     PyObject *result = NULL;
@@ -469,7 +484,7 @@ PyObject *attend(PyObject *mod, PyObject *args) {
         (nv && parse_view(nva, "new_v", 3, &new_v)))
         goto done;
     int64_t n;
-    if (attend_table(&reqs, &n) || attend_check(&q, &out, &k, &v, nk, nv, reqs.buf, n, window, threads)) goto done;
+    if (attend_table(&reqs, &n) || attend_check(&q, &out, &k, &v, nk, nv, reqs.buf, n, window)) goto done;
     Py_BEGIN_ALLOW_THREADS
     failed = attend_run(&q, &out, &k, &v, nk, nv, reqs.buf, n, scale, window, threads);
     Py_END_ALLOW_THREADS

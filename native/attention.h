@@ -20,9 +20,9 @@ int parse_view(PyObject *arg, const char *name, int ndim, View *v);
 /* The number of requests in a request table, or -1 with a ValueError set */
 int attend_table(const Py_buffer *table, int64_t *n);
 /* attend() as its check (-1 with a ValueError set) and its work (GIL released; -1: out of memory).
- * new_k and new_v: NULL for none. */
+ * new_k and new_v: NULL for none; threads: clamped to the machine's (clamp_threads). */
 int attend_check(const View *q, const View *out, const View *k, const View *v, const View *nk, const View *nv,
-                 const int64_t *reqs, int64_t n, long long window, int threads);
+                 const int64_t *reqs, int64_t n, long long window);
 int attend_run(const View *q, const View *out, const View *k, const View *v, const View *nk, const View *nv,
                const int64_t *reqs, int64_t n, double scale, long long window, int threads);
 /* attention_isa([name]) -> the instruction set attend() runs ("avx2" or "baseline"), set to name first */

@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "attention.h"
+#include "checked.h"
 #include "decoder.h"
 #include "ops.h"
 
@@ -97,23 +98,23 @@ static int gated(const Step *s) { return s->act.cols % LINEAR_PANEL == 0; }
 
 /* Every call of every layer checked as the single calls check them. */
 static int check(const Layer *layers, int64_t L, const Step *s, const int64_t *sampled, int64_t R,
-                 const int64_t *table, int64_t n, long long H, int threads) {
-    const int64_t T = s->residual.rows;
+                 const int64_t *table, int64_t n, long long H) {
+    const int64_t T = s->residual.rows, G = layers[0].k.shape[2], D = layers[0].k.shape[3];
     if (T < 1) return FAIL("the step has no rows");
-    if (H < 1 || layers[0].k.shape[2] < 1) return FAIL("%lld query heads, %lld K/V heads", H, layers[0].k.shape[2]);
-    const int64_t G = layers[0].k.shape[2], D = layers[0].k.shape[3];
+    const int64_t heads = add_sat(add_sat(H, G), G);  /* a qkv row's: Q's, K's and V's */
+    if (H < 1 || G < 1 || heads == INT64_MAX) return FAIL("%lld query heads, %lld K/V heads", H, (long long)G);
     const Rows *all[] = {&s->x, &s->qkv, &s->attention, &s->o, &s->gate_up, &s->act, &s->down, &s->cos, &s->sin};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
         if (all[i]->rows != T) return FAIL("the step's buffers have %lld rows; the residual has %lld",
                                            all[i]->rows, (long long)T);
     if (s->x.cols != s->residual.cols) return FAIL("x has %lld columns; the residual %lld", s->x.cols,
                                                    s->residual.cols);
-    if (s->qkv.cols != (H + 2 * G) * D || s->attention.cols != H * D)
+    if (s->qkv.cols != mul_sat(heads, D) || s->attention.cols != mul_sat(H, D))
         return FAIL("qkv and attention have %lld and %lld columns; %lld query heads and %lld K/V heads of %lld take "
                     "%lld and %lld", s->qkv.cols, s->attention.cols, H, (long long)G, (long long)D,
-                    (long long)((H + 2 * G) * D), (long long)(H * D));
+                    (long long)mul_sat(heads, D), (long long)mul_sat(H, D));
     for (int64_t i = 0; i < R; i++)
-        if (sampled[i] < (i ? sampled[i - 1] + 1 : 0) || sampled[i] >= T)
+        if (sampled[i] < 0 || (i && sampled[i] <= sampled[i - 1]) || sampled[i] >= T)
             return FAIL("sampled rows must rise, each below the step's %lld rows; row %lld is %lld", (long long)T,
                         (long long)i, (long long)sampled[i]);
     const Rows qk = columns(s->qkv, 0, (H + G) * D);
@@ -128,7 +129,7 @@ static int check(const Layer *layers, int64_t L, const Step *s, const int64_t *s
             return FAIL("layer %lld: its cache is not float32 [slots, rows, %lld, %lld]", (long long)l,
                         (long long)G, (long long)D);
         if (linear_check(&s->qkv, l ? &s->down : &s->x, &y->qkv, bias(&y->qkv_b)) ||
-            attend_check(&q, &out, &y->k, &y->v, &nk, &nv, table, n, y->window, threads) ||
+            attend_check(&q, &out, &y->k, &y->v, &nk, &nv, table, n, y->window) ||
             linear_check(&s->o, &s->attention, &y->o, bias(&y->o_b)) ||
             norm_check(&s->o, &s->residual, &y->post_norm) ||
             (gated(s) ? linear_silu_mul_check(&s->act, &s->o, &y->gate_up, bias(&y->gate_up_b))
@@ -207,12 +208,13 @@ PyObject *decoder_layers(PyObject *mod, PyObject *args) {
     PyObject *layers_arg, *rows[10];
     static const char *names[10] = {"residual", "x", "qkv", "attention", "o", "gate_up", "act", "down", "cos", "sin"};
     Py_buffer table, sampled;
-    long long H;
-    int threads, failed;
-    if (!PyArg_ParseTuple(args, "O!OOOOOOOOOOy*y*Li", &PyTuple_Type, &layers_arg, &rows[0], &rows[1], &rows[2],
+    long long H, threads_arg;
+    int failed;
+    if (!PyArg_ParseTuple(args, "O!OOOOOOOOOOy*y*LL", &PyTuple_Type, &layers_arg, &rows[0], &rows[1], &rows[2],
                           &rows[3], &rows[4], &rows[5], &rows[6], &rows[7], &rows[8], &rows[9], &table, &sampled, &H,
-                          &threads))
+                          &threads_arg))
         return NULL;
+    const int threads = clamp_threads(threads_arg);
     PyObject *result = NULL;
     Step s;
     Rows *step_rows[10] = {&s.residual, &s.x, &s.qkv, &s.attention, &s.o, &s.gate_up, &s.act, &s.down, &s.cos, &s.sin};
@@ -235,7 +237,7 @@ PyObject *decoder_layers(PyObject *mod, PyObject *args) {
         if (parse_rows(rows[i], names[i], step_rows[i])) goto done;
     for (int64_t l = 0; l < L; l++)
         if (parse_layer(PyTuple_GET_ITEM(layers_arg, l), &layers[l])) goto done;
-    if (attend_table(&table, &n) || check(layers, L, &s, sampled.buf, R, table.buf, n, H, threads)) goto done;
+    if (attend_table(&table, &n) || check(layers, L, &s, sampled.buf, R, table.buf, n, H)) goto done;
     Py_BEGIN_ALLOW_THREADS
     failed = run(layers, L, &s, sampled.buf, R, table.buf, n, H, threads);
     Py_END_ALLOW_THREADS

@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "checked.h"
 #include "dlpack.h"
 
 /* DLPack's unversioned ABI (dlpack.h, v0.8), the one every torch accepts. */
@@ -83,6 +84,9 @@ PyObject *dlpack(PyObject *mod, PyObject *args) {
     int device_type, device_id;
     if (!PyArg_ParseTuple(args, "OKLii", &owner, &address, &nbytes, &device_type, &device_id)) return NULL;
     if (nbytes <= 0) return PyErr_Format(PyExc_ValueError, "dlpack needs a positive size, got %lld", nbytes);
+    if (!in_address_space(address, nbytes))
+        return PyErr_Format(PyExc_ValueError, "%lld bytes at %p run past the end of the address space", nbytes,
+                            (void *)(uintptr_t)address);
     Managed *m = calloc(1, sizeof(Managed));
     if (!m) return PyErr_NoMemory();
     m->shape[0] = nbytes;

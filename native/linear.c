@@ -29,6 +29,7 @@
 
 #pragma GCC diagnostic ignored "-Wpsabi"
 
+#include "checked.h"
 #include "ops.h"
 #include "vector_math.h"
 
@@ -108,12 +109,12 @@ static int64_t panel_at(const Gemm *g, int64_t s) { return g->up ? s / 2 + (s % 
  * block waits on memory while the others leave it idle, every block of a step's panel asks for its
  * share of the next step's. */
 static void panels(const Gemm *g, int64_t s0, int64_t s1) {
-    const int64_t lines = g->k * PANEL * (int64_t)sizeof(float) / 64;  /* a panel's cache lines */
+    const int64_t lines = mul_sat(g->k, PANEL * sizeof(float) / 64);  /* a panel's cache lines */
     for (int64_t c = 0; c < g->rows; c += CHUNK) {
         const int64_t rows = g->rows - c < CHUNK ? g->rows - c : CHUNK;
         const int64_t blocks = (rows + MAX_ROWS - 1) / MAX_ROWS, size = (rows + blocks - 1) / blocks;
-        const int64_t share = (lines + blocks - 1) / blocks;  /* lines a block asks for */
-        const int per = blocks > 1 ? (int)((share + g->k - 1) / g->k) : 0;
+        const int64_t share = ceil_div(lines, blocks);  /* lines a block asks for */
+        const int per = blocks > 1 ? (int)ceil_div(share, g->k) : 0;
         for (int64_t s = s0; s < s1; s++) {
             const int64_t p = panel_at(g, s), col = p * PANEL, cols = g->n - col < PANEL ? g->n - col : PANEL;
             const int64_t ycol = g->up ? s / 2 * PANEL : col;  /* gated: both write the gate's columns */
@@ -147,11 +148,11 @@ PyObject *linear_serves(PyObject *mod, PyObject *noargs) { return PyBool_FromLon
 /* y's rows from x's through the weight of n outputs packed in w (with bias b). */
 static int check(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int64_t n) {
     if (!has_avx512()) return FAIL("linear runs on CPUs with AVX-512; this one has none");
-    const int64_t k = x->cols, num_panels = (n + PANEL - 1) / PANEL;
+    const int64_t k = x->cols, panel_rows = mul_sat(ceil_div(n, PANEL), k);
     if (y->rows != x->rows) return FAIL("out has %lld rows; x has %lld", y->rows, x->rows);
-    if (w->cols != PANEL || w->stride != PANEL || w->rows != num_panels * k)
+    if (w->cols != PANEL || w->stride != PANEL || w->rows != panel_rows)
         return FAIL("panels are %lld x %lld (row stride %lld); %lld outputs of %lld inputs take %lld x %d", w->rows,
-                    w->cols, w->stride, (long long)n, (long long)k, (long long)(num_panels * k), PANEL);
+                    w->cols, w->stride, (long long)n, (long long)k, (long long)panel_rows, PANEL);
     if (b && (b->rows != 1 || b->cols != n))
         return FAIL("bias is %lld x %lld; the weight has %lld outputs", b->rows, b->cols, (long long)n);
     return 0;
@@ -162,20 +163,20 @@ int linear_check(const Rows *y, const Rows *x, const Rows *w, const Rows *b) { r
 int linear_silu_mul_check(const Rows *y, const Rows *x, const Rows *w, const Rows *b) {
     if (y->cols % PANEL)
         return FAIL("gated, out's %lld columns must be a multiple of %d", y->cols, PANEL);
-    return check(y, x, w, b, 2 * y->cols);
+    return check(y, x, w, b, mul_sat(2, y->cols));
 }
 
 /* The walk's steps shared among the threads, a unit (a panel; gated, a gate panel and its up panel) each. */
 static void run(const Gemm *g, int threads) {
-    const int64_t steps = (g->n + PANEL - 1) / PANEL, per_unit = g->up ? 2 : 1, units = steps / per_unit;
-    if (threads < 2 || units < 2 || g->rows * g->n * g->k < PARALLEL_MACS) {
+    const int64_t steps = ceil_div(g->n, PANEL), per_unit = g->up ? 2 : 1, units = steps / per_unit;
+    if (threads < 2 || units < 2 || mul_sat(mul_sat(g->rows, g->n), g->k) < PARALLEL_MACS) {
         panels(g, 0, steps);
         return;
     }
 #pragma omp parallel num_threads(threads)
     {
         int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        panels(g, units * t / nt * per_unit, units * (t + 1) / nt * per_unit);
+        panels(g, part_start(units, t, nt) * per_unit, part_start(units, t + 1, nt) * per_unit);
     }
 }
 
@@ -190,16 +191,17 @@ void linear_run(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int 
 }
 
 void linear_silu_mul_run(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int threads) {
-    Gemm g = gemm_of(y, x, w, b, 2 * y->cols);
+    Gemm g = gemm_of(y, x, w, b, mul_sat(2, y->cols));
     g.up = y->cols / PANEL;
     run(&g, threads);
 }
 
 PyObject *linear(PyObject *mod, PyObject *args) {
     PyObject *ya, *xa, *pa, *ba;
-    int threads;
+    long long threads_arg;
     Rows y, x, w, bias;
-    if (!PyArg_ParseTuple(args, "OOOOi", &ya, &xa, &pa, &ba, &threads)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOOOL", &ya, &xa, &pa, &ba, &threads_arg)) return NULL;
+    const int threads = clamp_threads(threads_arg);
     const Rows *b = ba == Py_None ? NULL : &bias;
     if (parse_rows(ya, "out", &y) || parse_rows(xa, "x", &x) || parse_rows(pa, "panels", &w) ||
         (b && parse_rows(ba, "bias", &bias)) || linear_check(&y, &x, &w, b))

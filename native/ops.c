@@ -23,6 +23,7 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "checked.h"
 #include "ops.h"
 #include "vector_math.h"
 
@@ -124,7 +125,7 @@ static void for_rows(void (*fn)(const Args *, int64_t, int64_t), const Args *a, 
 #pragma omp parallel num_threads(threads)
     {
         int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        fn(a, n * t / nt, n * (t + 1) / nt);
+        fn(a, part_start(n, t, nt), part_start(n, t + 1, nt));
     }
 }
 
@@ -135,7 +136,8 @@ int parse_rows(PyObject *arg, const char *name, Rows *r) {
         PyErr_Format(PyExc_TypeError, "%s: expected (address, rows, columns, row stride)", name);
         return -1;
     }
-    if (r->rows < 0 || r->cols < 0 || r->stride < r->cols) {
+    const long long shape[2] = {r->rows, r->cols}, stride[2] = {r->stride, 1};
+    if (r->rows < 0 || r->cols < 0 || r->stride < r->cols || !spans(r->ptr, 2, shape, stride, sizeof(float))) {
         PyErr_Format(PyExc_ValueError, "%s: %lld rows of %lld floats %lld apart", name, r->rows, r->cols, r->stride);
         return -1;
     }
@@ -160,7 +162,7 @@ void norm_run(const Rows *x, const Rows *residual, const Rows *w, float eps, int
 }
 
 int silu_mul_check(const Rows *out, const Rows *gate_up) {
-    if (gate_up->rows != out->rows || gate_up->cols != 2 * out->cols)
+    if (gate_up->rows != out->rows || gate_up->cols % 2 || gate_up->cols / 2 != out->cols)
         return FAIL("gate_up is %lld x %lld; out is %lld x %lld (half as wide)", gate_up->rows, gate_up->cols,
                     out->rows, out->cols);
     return 0;
@@ -191,9 +193,10 @@ void rotate_run(const Rows *x, long long heads, const Rows *cos, const Rows *sin
 PyObject *rms_norm(PyObject *mod, PyObject *args) {
     PyObject *xa, *ra, *wa;
     double eps;
-    int threads;
+    long long threads_arg;
     Rows x, res, w;
-    if (!PyArg_ParseTuple(args, "OOOdi", &xa, &ra, &wa, &eps, &threads)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOOdL", &xa, &ra, &wa, &eps, &threads_arg)) return NULL;
+    const int threads = clamp_threads(threads_arg);
     const Rows *residual = ra == Py_None ? NULL : &res;
     if (parse_rows(xa, "x", &x) || (residual && parse_rows(ra, "residual", &res)) || parse_rows(wa, "weight", &w) ||
         norm_check(&x, residual, &w))
@@ -206,9 +209,10 @@ PyObject *rms_norm(PyObject *mod, PyObject *args) {
 
 PyObject *silu_mul(PyObject *mod, PyObject *args) {
     PyObject *oa, *ga;
-    int threads;
+    long long threads_arg;
     Rows out, gu;
-    if (!PyArg_ParseTuple(args, "OOi", &oa, &ga, &threads)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOL", &oa, &ga, &threads_arg)) return NULL;
+    const int threads = clamp_threads(threads_arg);
     if (parse_rows(oa, "out", &out) || parse_rows(ga, "gate_up", &gu) || silu_mul_check(&out, &gu)) return NULL;
     Py_BEGIN_ALLOW_THREADS
     silu_mul_run(&out, &gu, threads);
@@ -218,10 +222,10 @@ PyObject *silu_mul(PyObject *mod, PyObject *args) {
 
 PyObject *rotate(PyObject *mod, PyObject *args) {
     PyObject *xa, *ca, *sa;
-    long long heads;
-    int threads;
+    long long heads, threads_arg;
     Rows x, cos, sin;
-    if (!PyArg_ParseTuple(args, "OLOOi", &xa, &heads, &ca, &sa, &threads)) return NULL;
+    if (!PyArg_ParseTuple(args, "OLOOL", &xa, &heads, &ca, &sa, &threads_arg)) return NULL;
+    const int threads = clamp_threads(threads_arg);
     if (parse_rows(xa, "x", &x) || parse_rows(ca, "cos", &cos) || parse_rows(sa, "sin", &sin) ||
         rotate_check(&x, heads, &cos, &sin))
         return NULL;

@@ -24,7 +24,7 @@ typedef struct {
 int parse_rows(PyObject *arg, const char *name, Rows *r);
 
 /* Each call above as its check (-1 with a ValueError set; needs the GIL) and its work (none: runs with
- * the GIL released).  A residual or bias of NULL: none. */
+ * the GIL released; threads: clamped to the machine's, clamp_threads).  A residual or bias of NULL: none. */
 int norm_check(const Rows *x, const Rows *residual, const Rows *w);
 void norm_run(const Rows *x, const Rows *residual, const Rows *w, float eps, int threads);
 int silu_mul_check(const Rows *out, const Rows *gate_up);

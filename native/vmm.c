@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include "attention.h"
+#include "checked.h"
 #include "decoder.h"
 #include "dlpack.h"
 #include "ops.h"
@@ -49,9 +50,34 @@ static long max_map_count(void) {
     return value;
 }
 
-/* Raise OSError (or MapLimitError for ENOMEM, which a MAP_FIXED mmap over our
- * own reservation returns when the process is out of mapping entries). */
+/* Whether the process holds about vm.max_map_count mappings (the lines of /proc/self/maps; within a
+ * few, as other threads map and unmap meanwhile). */
+static int near_map_limit(void) {
+    long limit = max_map_count(), lines = 0;
+    FILE *f = fopen("/proc/self/maps", "r");
+    if (!f) return 0;
+    for (int c; (c = getc(f)) != EOF;) lines += c == '\n';
+    fclose(f);
+    return limit >= 0 && lines >= limit - 8;
+}
+
+/* Raise OSError(err, message); message: a new reference, or NULL with an error set. */
+static PyObject *raise_oserror(int err, PyObject *message) {
+    PyObject *exc = message ? PyObject_CallFunction(PyExc_OSError, "iN", err, message) : NULL;
+    if (exc) {
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        Py_DECREF(exc);
+    }
+    return NULL;
+}
+
 static PyObject *raise_errno(const char *what, int err) {
+    return raise_oserror(err, PyUnicode_FromFormat("%s failed: %s", what, strerror(err)));
+}
+
+/* Raise for a failed mmap over our own reservation: it takes no new address space or memory, so
+ * ENOMEM there is the process out of mapping entries (MapLimitError); else OSError. */
+static PyObject *raise_map_errno(const char *what, int err) {
     if (err == ENOMEM) {
         PyErr_Format(MapLimitError,
                      "%s failed: %s: the process has likely reached the OS limit of "
@@ -60,13 +86,7 @@ static PyObject *raise_errno(const char *what, int err) {
                      what, strerror(err), max_map_count());
         return NULL;
     }
-    PyObject *exc = PyObject_CallFunction(PyExc_OSError, "iN", err,
-                                          PyUnicode_FromFormat("%s failed: %s", what, strerror(err)));
-    if (exc) {
-        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
-        Py_DECREF(exc);
-    }
-    return NULL;
+    return raise_errno(what, err);
 }
 
 /* ---------------------------------------------------------------- Reservation */
@@ -115,7 +135,12 @@ static int Reservation_init(Reservation *self, PyObject *args, PyObject *kwds) {
     int prot = zero_backed ? PROT_READ : PROT_NONE;
     void *p = mmap(NULL, nbytes, prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) {
-        raise_errno("mmap (reserve)", errno);
+        int err = errno;
+        if (err == ENOMEM && !near_map_limit()) /* a new range: out of address space, not of mappings */
+            raise_oserror(err, PyUnicode_FromFormat("could not reserve %zd bytes of address space: %s", nbytes,
+                                                    strerror(err)));
+        else
+            raise_map_errno("mmap (reserve)", err);
         return -1;
     }
     self->addr = p;
@@ -252,7 +277,7 @@ static int64_t *read_offsets(PyObject *seq, Py_ssize_t *n, Py_ssize_t page_size,
     PyObject *fast = PySequence_Fast(seq, "offsets must be a sequence of ints");
     if (!fast) return NULL;
     *n = PySequence_Fast_GET_SIZE(fast);
-    int64_t *out = PyMem_Malloc(sizeof(int64_t) * (*n ? *n : 1));
+    int64_t *out = PyMem_New(int64_t, *n ? *n : 1);
     if (!out) {
         Py_DECREF(fast);
         PyErr_NoMemory();
@@ -261,13 +286,14 @@ static int64_t *read_offsets(PyObject *seq, Py_ssize_t *n, Py_ssize_t page_size,
     PyObject **items = PySequence_Fast_ITEMS(fast);
     long page = os_page();
     for (Py_ssize_t i = 0; i < *n; i++) {
-        long long v = PyLong_AsLongLong(items[i]);
+        int past_int64;
+        long long v = PyLong_AsLongLongAndOverflow(items[i], &past_int64);
         if (v == -1 && PyErr_Occurred()) goto fail;
-        if (v < 0 || v % page || v + page_size > limit) {
+        if (past_int64 || v % page || !inside(v, page_size, limit)) {
             PyErr_Format(PyExc_ValueError,
-                         "%s offset %lld is not an OS-page-aligned offset with a %zd-byte page "
+                         "%s offset %R is not an OS-page-aligned offset with a %zd-byte page "
                          "inside %zd bytes",
-                         what, v, page_size, limit);
+                         what, items[i], page_size, limit);
             goto fail;
         }
         out[i] = v;
@@ -363,7 +389,7 @@ static PyObject *map_pages(PyObject *mod, PyObject *args) {
     Py_END_ALLOW_THREADS
     free_batch(&b);
     if (undo_err) return PyErr_Format(PyExc_SystemError, "could not undo a failed map: %s", strerror(undo_err));
-    if (err) return raise_errno("mmap (map page)", err);
+    if (err) return raise_map_errno("mmap (map page)", err);
     Py_RETURN_NONE;
 }
 
@@ -384,7 +410,7 @@ static PyObject *unmap_pages(PyObject *mod, PyObject *args) {
     }
     Py_END_ALLOW_THREADS
     PyMem_Free(virt);
-    if (err) return raise_errno("mmap (unmap page)", err);
+    if (err) return raise_map_errno("mmap (unmap page)", err);
     Py_RETURN_NONE;
 }
 
@@ -421,10 +447,14 @@ static PyObject *page_out(PyObject *mod, PyObject *args) {
     Py_ssize_t nbytes;
     if (!PyArg_ParseTuple(args, "Kn", &addr, &nbytes)) return NULL;
     if (nbytes < 0) return PyErr_Format(PyExc_ValueError, "nbytes %zd is negative", nbytes);
-    const uintptr_t page = os_page(), lo = (addr + page - 1) / page * page, hi = (addr + nbytes) / page * page;
-    if (hi <= lo) return PyLong_FromLong(0);
+    if (!in_address_space(addr, nbytes))
+        return PyErr_Format(PyExc_ValueError, "%zd bytes at %p run past the end of the address space", nbytes,
+                            (void *)(uintptr_t)addr);
+    const uintptr_t page = os_page(), first = addr / page + (addr % page != 0), end = (addr + nbytes) / page;
+    if (end <= first) return PyLong_FromLong(0);  /* no whole page */
+    const size_t len = (end - first) * page;
 #ifdef MADV_PAGEOUT
-    if (!madvise((void *)lo, hi - lo, MADV_PAGEOUT)) return PyLong_FromSize_t(hi - lo);
+    if (!madvise((void *)(first * page), len, MADV_PAGEOUT)) return PyLong_FromSize_t(len);
     if (errno != EINVAL) return raise_errno("madvise (page out)", errno);
 #endif
     return PyLong_FromLong(0);
@@ -468,7 +498,7 @@ static PyObject *raw_map_loop(PyObject *mod, PyObject *args) {
     t2 = now_ns();
     Py_END_ALLOW_THREADS
     free_batch(&b);
-    if (err) return raise_errno("mmap (raw loop)", err);
+    if (err) return raise_map_errno("mmap (raw loop)", err);
     return Py_BuildValue("dd", t1 - t0, t2 - t1);
 }
 
