@@ -42,8 +42,9 @@ def packing(weight: torch.Tensor, native: bool = True) -> str | None:
     """How `weight` is packed: "native" (vattn's GEMM, where `native`), "onednn", or None (it is not)."""
     if native and gemm.serves(weight):
         return "native"
-    if weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available():
-        return "onednn"
+    if weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available() and (
+            weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return "onednn"  # oneDNN packs bfloat16 only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
     return None
 
 
