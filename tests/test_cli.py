@@ -11,8 +11,8 @@ from vattn.bench.shapes import SMOLLM2_135M
 KV_BYTES_PER_TOKEN = CacheConfig(**SMOLLM2_135M.cache_fields(), dtype=torch.float32).kv_bytes_per_token
 
 
-def vattn(*args):
-    out = subprocess.run([sys.executable, "-m", "vattn", *args], capture_output=True, text=True, timeout=300)
+def vattn(*args, timeout=300):
+    out = subprocess.run([sys.executable, "-m", "vattn", *args], capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -97,7 +97,8 @@ def test_bench_e2e_runs_every_system(tmp_path):
     assert peers.vllm_python() is not None, peers.HOW
     path = tmp_path / "e2e.json"
     out = vattn("bench", "e2e", "--num-prompts", "2", "--max-tokens", "6", "--rounds", "1",
-                "--request-rate", "inf", "8", "--json", str(path), "--plot", str(tmp_path))
+                "--request-rate", "inf", "8", "--json", str(path), "--plot", str(tmp_path),
+                timeout=900)  # vLLM compiles its model first: about 2 minutes of a 2-core AVX2 CPU uncached
     assert "end to end: 2 sharegpt requests" in out and "batch size sweep" in out
     result = json.loads(path.read_text())
     assert result["commit"] and result["versions"]["vllm"] and result["request_rate"] == ["inf", 8.0]
@@ -109,6 +110,7 @@ def test_bench_e2e_runs_every_system(tmp_path):
             assert r["output_tokens"] == rows["vattn"]["output_tokens"]  # EOS ignored: every answer at its cap
             assert r["same_tokens_as_vattn"] == 2  # greedy float32: every system gives the same tokens
             assert r["peak_rss_bytes"] > 100 << 20 and 0 < r["kv_bytes_committed"] <= result["kv_budget_bytes"]
+            assert 100 << 20 < r["peak_pss_bytes"] <= r["peak_rss_bytes"]
             assert len(r["rounds"]) == 1 and r["kv_budget_bytes"] == result["kv_budget_bytes"]
         for system in ("vattn", "paged_16"):  # at its busiest, KV for the longer prompt (at least half of them)
             assert rows[system]["kv_bytes_committed"] >= result["prompt_tokens"] // 2 * KV_BYTES_PER_TOKEN
@@ -120,6 +122,7 @@ def test_bench_e2e_runs_every_system(tmp_path):
         assert vllm_ran["reserved_cpus"] == "0" and not vllm_ran["enforce_eager"]
         assert "libiomp5.so" in vllm_ran["ld_preload"]  # as vLLM's CPU docs advise
         assert set(result["ratios"][str(rate)]) == {f"vattn_vs_{s}" for s in rows if s != "vattn"}
+        assert set(result["memory_ratios"][str(rate)]) == set(result["ratios"][str(rate)])
         assert all(r["gflops_per_s"] == result["workload_flops"] / r["seconds"] / 1e9 for r in rows.values())
     assert {s["batch_size"] for s in result["static_sweep"]} == {8, 16, 32}
     assert result["gemm_peak_gflops"] > 10 and result["workload_flops"] > 0
