@@ -119,4 +119,3 @@ class EngineConfig:
         return dict(max_num_seqs=self.max_num_seqs, max_seq_len=self.max_seq_len, memory_budget=self.memory_budget,
                     page_size=self.page_size, layout=self.layout, deferred_reclamation=self.deferred_reclamation,
                     gpu_memory_utilization=self.gpu_memory_utilization)
-
