@@ -245,6 +245,7 @@ class LLMEngine:
                 if new:
                     outputs.append(self._emit(req, new, now))
             except Exception as e:
+                self.scheduler.abort(req, error=True)
                 outputs.append(self._fail(req, e))
         return outputs
 
@@ -260,8 +261,7 @@ class LLMEngine:
         return self._output(req, new)
 
     def _fail(self, req: Request, error: Exception) -> RequestOutput:
-        """End a request in error: its resources freed, its output saying why."""
-        self.scheduler.abort(req, error=True)
+        """The output of a request the scheduler ended in error, saying why."""
         req.error = f"{type(error).__name__}: {error}"
         for s in req.seqs:
             if not s.finished:
