@@ -1,6 +1,8 @@
 import torch
 
 from vattn import CacheConfig, KVCacheManager, VirtualKVCache, attention
+from vattn.attention.batch import StepBatch
+from vattn.attention.registry import pick_for
 
 
 def serve(model, prompts: list[list[int]], max_tokens: int, memory_budget: int | None = None) -> list[list[int]]:
@@ -25,12 +27,12 @@ def serve(model, prompts: list[list[int]], max_tokens: int, memory_budget: int |
             del want[victim]
         step = sorted(running, key=lambda s: want[s] - computed[s] != 1)  # decode tokens first
         decodes = [s for s in step if want[s] - computed[s] == 1]
-        batch = attention.StepBatch(cache, [kv.slot(s) for s in decodes], [computed[s] for s in decodes],
-                                    [(kv.slot(s), computed[s], want[s] - computed[s]) for s in step[len(decodes):]])
+        batch = StepBatch([kv.slot(s) for s in decodes], [computed[s] for s in decodes],
+                          [(kv.slot(s), computed[s], want[s] - computed[s]) for s in step[len(decodes):]])
         ids = [t for s in step for t in tokens[s][computed[s]:want[s]]]
         ends = torch.tensor([want[s] - computed[s] for s in step]).cumsum(0) - 1
-        with torch.inference_mode(), attention.step(batch):
-            logits = model(input_ids=torch.tensor([ids]), position_ids=batch.positions(),
+        with torch.inference_mode(), attention.running(attention.prepare(batch, cache.data, pick_for(cache))):
+            logits = model(input_ids=torch.tensor([ids]), position_ids=batch.positions(cache.device),
                            use_cache=False).logits[0, ends]
         for s, row in zip(step, logits):
             computed[s] = want[s]

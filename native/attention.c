@@ -42,7 +42,7 @@
 #include <string.h>
 
 #include "attention.h"
-#include "checked.h"
+#include "common.h"
 #include "vector_math.h"
 
 /* the vector helpers are all inlined: no vector crosses a call */
@@ -178,28 +178,13 @@ INLINE void query_rows(const Call *c, const int64_t *r, int64_t j, int64_t *lo, 
 #include "attention_kernel.h"
 #undef W
 
-#define AVX512 "avx512f,avx512bw,avx512vl,avx2,fma"
-__attribute__((target(AVX512))) static void run_items_avx512(Call *c) { run_items_w16(c); }
-__attribute__((target("avx2,fma"))) static void run_items_avx2(Call *c) { run_items_w8(c); }
+AVX512 static void run_items_avx512(Call *c) { run_items_w16(c); }
+AVX2 static void run_items_avx2(Call *c) { run_items_w8(c); }
 static void run_items_baseline(Call *c) { run_items_w8(c); }
+static void (*const RUN_ITEMS[NUM_ISAS])(Call *) = {run_items_avx512, run_items_avx2, run_items_baseline};
 
-static int has_avx2(void) { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
-static int has_avx512(void) {
-    return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
-}
-static int has_baseline(void) { return 1; }
-
-/* The instruction sets, best first. */
-static const struct {
-    const char *name;
-    void (*run)(Call *);
-    int (*supported)(void);
-} ISAS[] = {{"avx512", run_items_avx512, has_avx512}, {"avx2", run_items_avx2, has_avx2},
-            {"baseline", run_items_baseline, has_baseline}};
-enum { NUM_ISAS = sizeof(ISAS) / sizeof(ISAS[0]) };
-static int isa = NUM_ISAS - 1;
-#define run_items_isa ISAS[isa].run
+static Isa isa = ISA_BASELINE;  /* the one attend runs: the best this CPU has (attention_init), or attention_isa's */
+#define run_items_isa RUN_ITEMS[isa]
 
 /* The tile's splits, merged into its output rows. */
 static void merge(const Call *c, const Tile *tile) {
@@ -269,7 +254,6 @@ int parse_view(PyObject *arg, const char *name, int ndim, View *v) {
     return 0;
 }
 
-#define FAIL(...) (PyErr_Format(PyExc_ValueError, __VA_ARGS__), -1)
 
 static int check(const View *q, const View *out, const View *k, const View *v, const int64_t *reqs,
                  int64_t n, long long window) {
@@ -466,7 +450,7 @@ int attend_run(const View *q, const View *out, const View *k, const View *v, con
     return 0;
 }
 
-PyObject *attend(PyObject *mod, PyObject *args) {
+static PyObject *attend(PyObject *mod, PyObject *args) {
     PyObject *qa, *outa, *ka, *va, *nka = Py_None, *nva = Py_None;
     Py_buffer reqs;
     double scale;
@@ -494,18 +478,18 @@ done:
     return result;
 }
 
-PyObject *attention_isa(PyObject *mod, PyObject *args) {
+static PyObject *attention_isa(PyObject *mod, PyObject *args) {
     const char *want = NULL;
     if (!PyArg_ParseTuple(args, "|z", &want)) return NULL;
     if (want) {
         int found = -1;
         for (int i = 0; i < NUM_ISAS; i++)
-            if (!strcmp(want, ISAS[i].name) && ISAS[i].supported()) found = i;
+            if (!strcmp(want, ISA_NAMES[i]) && isa_supported(i)) found = i;
         if (found < 0) {
             PyObject *names = PyList_New(0);
             for (int i = 0; names && i < NUM_ISAS; i++)
-                if (ISAS[i].supported()) {
-                    PyObject *name = PyUnicode_FromString(ISAS[i].name);
+                if (isa_supported(i)) {
+                    PyObject *name = PyUnicode_FromString(ISA_NAMES[i]);
                     if (!name || PyList_Append(names, name)) Py_CLEAR(names);
                     Py_XDECREF(name);
                 }
@@ -517,10 +501,16 @@ PyObject *attention_isa(PyObject *mod, PyObject *args) {
         }
         isa = found;
     }
-    return PyUnicode_FromString(ISAS[isa].name);
+    return PyUnicode_FromString(ISA_NAMES[isa]);
 }
 
-void attention_init(void) {
-    __builtin_cpu_init();
-    for (isa = 0; !ISAS[isa].supported(); isa++) {}
-}
+void attention_init(void) { isa = isa_best(); }
+
+PyMethodDef ATTENTION_METHODS[] = {
+    {"attend", attend, METH_VARARGS,
+     "attend(q, out, k, v, requests, scale, window, threads[, new_k, new_v]): attention of q's tokens over strided K/V "
+     "rows into out, after storing each request's new K/V rows where given."},
+    {"attention_isa", attention_isa, METH_VARARGS,
+     "attention_isa([name]): the instruction set attend() runs, after switching to name ('avx2', 'baseline')."},
+    {NULL},
+};

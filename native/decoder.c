@@ -26,11 +26,9 @@
 #include <string.h>
 
 #include "attention.h"
-#include "checked.h"
+#include "common.h"
 #include "decoder.h"
 #include "ops.h"
-
-#define FAIL(...) (PyErr_Format(PyExc_ValueError, __VA_ARGS__), -1)
 
 /* One layer's weights and cache: what decoder_layers() takes of it. */
 typedef struct {
@@ -204,7 +202,7 @@ static int run(const Layer *layers, int64_t L, const Step *s, const int64_t *sam
     return 0;
 }
 
-PyObject *decoder_layers(PyObject *mod, PyObject *args) {
+static PyObject *decoder_layers(PyObject *mod, PyObject *args) {
     PyObject *layers_arg, *rows[10];
     static const char *names[10] = {"residual", "x", "qkv", "attention", "o", "gate_up", "act", "down", "cos", "sin"};
     Py_buffer table, sampled;
@@ -248,3 +246,11 @@ done:
     PyBuffer_Release(&sampled);
     return result;
 }
+
+PyMethodDef DECODER_METHODS[] = {
+    {"decoder_layers", decoder_layers, METH_VARARGS,
+     "decoder_layers(layers, residual, x, qkv, attention, o, gate_up, act, down, cos, sin, requests, sampled, heads, "
+     "threads): every decoder layer of a step, the calls above in turn; the sampled rows' residual stream left in "
+     "the residual's first rows."},
+    {NULL},
+};

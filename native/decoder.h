@@ -3,4 +3,4 @@
 
 /* decoder_layers(layers, residual, x, qkv, attention, o, gate_up, act, down, cos, sin, requests, sampled, heads,
  * threads): every decoder layer of a step in one call; see decoder.c */
-PyObject *decoder_layers(PyObject *mod, PyObject *args);
+extern PyMethodDef DECODER_METHODS[];

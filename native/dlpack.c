@@ -11,7 +11,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "checked.h"
+#include "common.h"
 #include "dlpack.h"
 
 /* DLPack's unversioned ABI (dlpack.h, v0.8), the one every torch accepts. */
@@ -77,7 +77,7 @@ static void capsule_destructor(PyObject *capsule) {
     m->deleter(m);
 }
 
-PyObject *dlpack(PyObject *mod, PyObject *args) {
+static PyObject *dlpack(PyObject *mod, PyObject *args) {
     PyObject *owner;
     unsigned long long address;
     long long nbytes;
@@ -105,3 +105,10 @@ PyObject *dlpack(PyObject *mod, PyObject *args) {
     if (!capsule) managed_deleter(&m->managed);
     return capsule;
 }
+
+PyMethodDef DLPACK_METHODS[] = {
+    {"dlpack", dlpack, METH_VARARGS,
+     "dlpack(owner, address, nbytes, device_type, device_id): a DLPack capsule of nbytes uint8 at address, "
+     "keeping owner alive."},
+    {NULL},
+};

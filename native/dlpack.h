@@ -2,4 +2,4 @@
 #include <Python.h>
 
 /* dlpack(owner, address, nbytes, device_type, device_id) -> "dltensor" capsule */
-PyObject *dlpack(PyObject *mod, PyObject *args);
+extern PyMethodDef DLPACK_METHODS[];

@@ -29,7 +29,7 @@
 
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-#include "checked.h"
+#include "common.h"
 #include "ops.h"
 #include "vector_math.h"
 
@@ -42,8 +42,6 @@ enum {
 };
 
 const int LINEAR_PANEL = PANEL;
-
-#define AVX512 __attribute__((target("avx512f,fma")))
 
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 
@@ -135,19 +133,16 @@ static void panels(const Gemm *g, int64_t s0, int64_t s1) {
 
 /* ------------------------------------------------------------ the call */
 
-#define FAIL(...) (PyErr_Format(PyExc_ValueError, __VA_ARGS__), -1)
 #define FLOATS(r) ((float *)(uintptr_t)(r)->ptr)
 
-static int has_avx512(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f");
-}
+/* Built for AVX-512 alone: elsewhere the engine packs for oneDNN. */
+static int serves(void) { return isa_supported(ISA_AVX512); }
 
-PyObject *linear_serves(PyObject *mod, PyObject *noargs) { return PyBool_FromLong(has_avx512()); }
+static PyObject *linear_serves(PyObject *mod, PyObject *noargs) { return PyBool_FromLong(serves()); }
 
 /* y's rows from x's through the weight of n outputs packed in w (with bias b). */
 static int check(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int64_t n) {
-    if (!has_avx512()) return FAIL("linear runs on CPUs with AVX-512; this one has none");
+    if (!serves()) return FAIL("linear runs on CPUs with AVX-512; this one has none");
     const int64_t k = x->cols, panel_rows = mul_sat(ceil_div(n, PANEL), k);
     if (y->rows != x->rows) return FAIL("out has %lld rows; x has %lld", y->rows, x->rows);
     if (w->cols != PANEL || w->stride != PANEL || w->rows != panel_rows)
@@ -166,18 +161,21 @@ int linear_silu_mul_check(const Rows *y, const Rows *x, const Rows *w, const Row
     return check(y, x, w, b, mul_sat(2, y->cols));
 }
 
-/* The walk's steps shared among the threads, a unit (a panel; gated, a gate panel and its up panel) each. */
+/* Units [u0, u1) of the walk: a panel each; gated, a gate panel and its up panel. */
+static void units(const void *gemm, int64_t u0, int64_t u1) {
+    const Gemm *g = gemm;
+    const int64_t per_unit = g->up ? 2 : 1;
+    panels(g, u0 * per_unit, u1 * per_unit);
+}
+
+/* The walk's units shared among the threads. */
 static void run(const Gemm *g, int threads) {
-    const int64_t steps = ceil_div(g->n, PANEL), per_unit = g->up ? 2 : 1, units = steps / per_unit;
-    if (threads < 2 || units < 2 || mul_sat(mul_sat(g->rows, g->n), g->k) < PARALLEL_MACS) {
+    const int64_t steps = ceil_div(g->n, PANEL), per_unit = g->up ? 2 : 1, n = steps / per_unit;
+    if (threads < 2 || n < 2 || mul_sat(mul_sat(g->rows, g->n), g->k) < PARALLEL_MACS) {
         panels(g, 0, steps);
         return;
     }
-#pragma omp parallel num_threads(threads)
-    {
-        int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        panels(g, part_start(units, t, nt) * per_unit, part_start(units, t + 1, nt) * per_unit);
-    }
+    split(units, g, n, threads);
 }
 
 static Gemm gemm_of(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int64_t n) {
@@ -196,7 +194,7 @@ void linear_silu_mul_run(const Rows *y, const Rows *x, const Rows *w, const Rows
     run(&g, threads);
 }
 
-PyObject *linear(PyObject *mod, PyObject *args) {
+static PyObject *linear(PyObject *mod, PyObject *args) {
     PyObject *ya, *xa, *pa, *ba;
     long long threads_arg;
     Rows y, x, w, bias;
@@ -211,3 +209,12 @@ PyObject *linear(PyObject *mod, PyObject *args) {
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
+
+PyMethodDef LINEAR_METHODS[] = {
+    {"linear", linear, METH_VARARGS,
+     "linear(out, x, panels, bias, threads): out <- x W^T + bias (None: no bias), W packed in panels of "
+     "LINEAR_PANEL columns."},
+    {"linear_serves", linear_serves, METH_NOARGS,
+     "Whether this CPU runs linear() (it needs AVX-512)."},
+    {NULL},
+};

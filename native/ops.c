@@ -20,10 +20,9 @@
 #include <Python.h>
 
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 
-#include "checked.h"
+#include "common.h"
 #include "ops.h"
 #include "vector_math.h"
 
@@ -89,9 +88,6 @@ INLINE void rotate_row(float *x, const float *cos, const float *sin, int64_t hea
     }
 }
 
-/* Rows [lo, hi) of each op, compiled for AVX-512, AVX2 and the baseline (chosen when loaded). */
-#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-
 typedef struct {
     float *x;        /* the rows an op writes */
     float *y;        /* its other rows: rms_norm's residual, silu_mul's gate_up */
@@ -100,33 +96,32 @@ typedef struct {
     float eps;
 } Args;
 
-CLONES static void norm_rows(const Args *a, int64_t lo, int64_t hi) {
+/* Rows [lo, hi) of each op, compiled for each instruction set (`PER_ISA`). */
+INLINE void norm_rows(const void *args, int64_t lo, int64_t hi) {
+    const Args *a = args;
     for (int64_t i = lo; i < hi; i++)
         norm_row(a->x + i * a->x_stride, a->y ? a->y + i * a->y_stride : NULL, a->w, a->cols, a->eps);
 }
+PER_ISA(norm_rows);
 
-CLONES static void silu_mul_rows(const Args *a, int64_t lo, int64_t hi) {
+INLINE void silu_mul_rows(const void *args, int64_t lo, int64_t hi) {
+    const Args *a = args;
     for (int64_t i = lo; i < hi; i++) silu_mul_row(a->x + i * a->x_stride, a->y + i * a->y_stride, a->cols);
 }
+PER_ISA(silu_mul_rows);
 
-CLONES __attribute__((optimize("fp-contract=off"))) static void rotate_rows(const Args *a, int64_t lo, int64_t hi) {
+INLINE void rotate_rows(const void *args, int64_t lo, int64_t hi) {
+    const Args *a = args;
     for (int64_t i = lo; i < hi; i++)
         rotate_row(a->x + i * a->x_stride, a->cos + i * a->cos_stride, a->sin + i * a->sin_stride, a->heads,
                    a->cols / a->heads);
 }
+PER_ISA(rotate_rows, __attribute__((optimize("fp-contract=off"))));
 
-/* fn over rows [0, n), shared among `threads` OpenMP threads when they hold `floats` or more */
-static void for_rows(void (*fn)(const Args *, int64_t, int64_t), const Args *a, int64_t n, int64_t floats,
-                     int threads) {
-    if (floats < PARALLEL_FLOATS || threads < 2) {
-        fn(a, 0, n);
-        return;
-    }
-#pragma omp parallel num_threads(threads)
-    {
-        int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-        fn(a, part_start(n, t, nt), part_start(n, t + 1, nt));
-    }
+/* The op's rows for this CPU, shared among `threads` when they hold `floats` or more. */
+static void for_rows(void (*const op[NUM_ISAS])(const void *, int64_t, int64_t), const Args *a, int64_t n,
+                     int64_t floats, int threads) {
+    split(op[isa_best()], a, n, floats < PARALLEL_FLOATS ? 1 : threads);
 }
 
 /* ------------------------------------------------------------ the calls */
@@ -144,7 +139,6 @@ int parse_rows(PyObject *arg, const char *name, Rows *r) {
     return 0;
 }
 
-#define FAIL(...) (PyErr_Format(PyExc_ValueError, __VA_ARGS__), -1)
 #define FLOATS(r) ((float *)(uintptr_t)(r)->ptr)
 
 int norm_check(const Rows *x, const Rows *residual, const Rows *w) {
@@ -158,7 +152,7 @@ int norm_check(const Rows *x, const Rows *residual, const Rows *w) {
 void norm_run(const Rows *x, const Rows *residual, const Rows *w, float eps, int threads) {
     Args a = {.x = FLOATS(x), .y = residual ? FLOATS(residual) : NULL, .w = FLOATS(w), .x_stride = x->stride,
               .y_stride = residual ? residual->stride : 0, .cols = x->cols, .eps = eps};
-    for_rows(norm_rows, &a, x->rows, x->rows * x->cols, threads);
+    for_rows(norm_rows_isa, &a, x->rows, x->rows * x->cols, threads);
 }
 
 int silu_mul_check(const Rows *out, const Rows *gate_up) {
@@ -171,7 +165,7 @@ int silu_mul_check(const Rows *out, const Rows *gate_up) {
 void silu_mul_run(const Rows *out, const Rows *gate_up, int threads) {
     Args a = {.x = FLOATS(out), .y = FLOATS(gate_up), .x_stride = out->stride, .y_stride = gate_up->stride,
               .cols = out->cols};
-    for_rows(silu_mul_rows, &a, out->rows, gate_up->rows * gate_up->cols, threads);
+    for_rows(silu_mul_rows_isa, &a, out->rows, gate_up->rows * gate_up->cols, threads);
 }
 
 int rotate_check(const Rows *x, long long heads, const Rows *cos, const Rows *sin) {
@@ -187,10 +181,10 @@ int rotate_check(const Rows *x, long long heads, const Rows *cos, const Rows *si
 void rotate_run(const Rows *x, long long heads, const Rows *cos, const Rows *sin, int threads) {
     Args a = {.x = FLOATS(x), .cos = FLOATS(cos), .sin = FLOATS(sin), .x_stride = x->stride,
               .cos_stride = cos->stride, .sin_stride = sin->stride, .cols = x->cols, .heads = heads};
-    for_rows(rotate_rows, &a, x->rows, x->rows * x->cols, threads);
+    for_rows(rotate_rows_isa, &a, x->rows, x->rows * x->cols, threads);
 }
 
-PyObject *rms_norm(PyObject *mod, PyObject *args) {
+static PyObject *rms_norm(PyObject *mod, PyObject *args) {
     PyObject *xa, *ra, *wa;
     double eps;
     long long threads_arg;
@@ -207,7 +201,7 @@ PyObject *rms_norm(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-PyObject *silu_mul(PyObject *mod, PyObject *args) {
+static PyObject *silu_mul(PyObject *mod, PyObject *args) {
     PyObject *oa, *ga;
     long long threads_arg;
     Rows out, gu;
@@ -220,7 +214,7 @@ PyObject *silu_mul(PyObject *mod, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-PyObject *rotate(PyObject *mod, PyObject *args) {
+static PyObject *rotate(PyObject *mod, PyObject *args) {
     PyObject *xa, *ca, *sa;
     long long heads, threads_arg;
     Rows x, cos, sin;
@@ -234,3 +228,14 @@ PyObject *rotate(PyObject *mod, PyObject *args) {
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
+
+PyMethodDef OPS_METHODS[] = {
+    {"rms_norm", rms_norm, METH_VARARGS,
+     "rms_norm(x, residual, weight, eps, threads): x <- weight * RMS-normalized (residual + x), the sum kept in "
+     "residual (None: x alone)."},
+    {"silu_mul", silu_mul, METH_VARARGS,
+     "silu_mul(out, gate_up, threads): out <- silu(gate) * up."},
+    {"rotate", rotate, METH_VARARGS,
+     "rotate(x, heads, cos, sin, threads): the rotary embedding of x's heads in place, sin's first half negated."},
+    {NULL},
+};

@@ -4,15 +4,12 @@
 /* rms_norm(x, residual, weight, eps, threads), silu_mul(out, gate_up, threads),
  * rotate(x, heads, cos, sin, threads): see ops.c; each matrix is
  * (address, rows, columns, row stride) of float32 */
-PyObject *rms_norm(PyObject *mod, PyObject *args);
-PyObject *silu_mul(PyObject *mod, PyObject *args);
-PyObject *rotate(PyObject *mod, PyObject *args);
+extern PyMethodDef OPS_METHODS[];
 
 /* linear(out, x, panels, bias, threads): out <- x W^T + bias over W packed in panels of LINEAR_PANEL
  * columns; linear_serves(): whether this CPU runs it.  See linear.c. */
 extern const int LINEAR_PANEL;
-PyObject *linear(PyObject *mod, PyObject *args);
-PyObject *linear_serves(PyObject *mod, PyObject *noargs);
+extern PyMethodDef LINEAR_METHODS[];
 
 /* (address, rows, floats a row, row stride) of a float32 matrix, from Python */
 typedef struct {

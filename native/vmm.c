@@ -1,5 +1,5 @@
 /*
- * vattn._native: host virtual-memory primitives for the KV cache.
+ * Host virtual-memory primitives for the KV cache.
  *
  * A Reservation is a range of virtual addresses with no memory behind it
  * (PROT_NONE), or behind it only the kernel's shared zero page (read-only),
@@ -30,11 +30,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "attention.h"
-#include "checked.h"
-#include "decoder.h"
-#include "dlpack.h"
-#include "ops.h"
+#include "common.h"
+#include "vmm.h"
 
 static PyObject *MapLimitError;
 
@@ -504,7 +501,7 @@ static PyObject *raw_map_loop(PyObject *mod, PyObject *args) {
 
 static PyObject *os_page_size(PyObject *mod, PyObject *unused) { return PyLong_FromLong(os_page()); }
 
-static PyMethodDef methods[] = {
+PyMethodDef VMM_METHODS[] = {
     {"map_pages", map_pages, METH_VARARGS,
      "map_pages(reservation, file, page_size, virt_offsets, file_offsets, read_only=False): map file pages at the "
      "offsets."},
@@ -513,56 +510,26 @@ static PyMethodDef methods[] = {
     {"punch_pages", punch_pages, METH_VARARGS,
      "punch_pages(file, page_size, file_offsets): return the pages' memory to the OS (they read as zeros)."},
     {"page_out", page_out, METH_VARARGS,
-     "page_out(addr, nbytes): reclaim the resident whole pages of the range (madvise MADV_PAGEOUT); the bytes advised."},
-    {"trim_heap", trim_heap, METH_NOARGS, "trim_heap(): the heap's free memory back to the OS (glibc's malloc_trim)."},
+     "page_out(addr, nbytes): reclaim the resident whole pages of the range (madvise MADV_PAGEOUT); the bytes "
+     "advised."},
+    {"trim_heap", trim_heap, METH_NOARGS,
+     "trim_heap(): the heap's free memory back to the OS (glibc's malloc_trim)."},
     {"raw_map_loop", raw_map_loop, METH_VARARGS,
      "raw_map_loop(reservation, file, page_size, virt_offsets, file_offsets) -> (map_ns, unmap_ns)."},
-    {"os_page_size", os_page_size, METH_NOARGS, "The OS page size in bytes."},
-    {"dlpack", dlpack, METH_VARARGS,
-     "dlpack(owner, address, nbytes, device_type, device_id): a DLPack capsule of nbytes uint8 at address, "
-     "keeping owner alive."},
-    {"attend", attend, METH_VARARGS,
-     "attend(q, out, k, v, requests, scale, window, threads[, new_k, new_v]): attention of q's tokens over strided K/V "
-     "rows into out, after storing each request's new K/V rows where given."},
-    {"attention_isa", attention_isa, METH_VARARGS,
-     "attention_isa([name]): the instruction set attend() runs, after switching to name ('avx2', 'baseline')."},
-    {"rms_norm", rms_norm, METH_VARARGS,
-     "rms_norm(x, residual, weight, eps, threads): x <- weight * RMS-normalized (residual + x), the sum kept in "
-     "residual (None: x alone)."},
-    {"silu_mul", silu_mul, METH_VARARGS, "silu_mul(out, gate_up, threads): out <- silu(gate) * up."},
-    {"rotate", rotate, METH_VARARGS,
-     "rotate(x, heads, cos, sin, threads): the rotary embedding of x's heads in place, sin's first half negated."},
-    {"linear", linear, METH_VARARGS,
-     "linear(out, x, panels, bias, threads): out <- x W^T + bias (None: no bias), W packed in panels of "
-     "LINEAR_PANEL columns."},
-    {"linear_serves", linear_serves, METH_NOARGS, "Whether this CPU runs linear() (it needs AVX-512)."},
-    {"decoder_layers", decoder_layers, METH_VARARGS,
-     "decoder_layers(layers, residual, x, qkv, attention, o, gate_up, act, down, cos, sin, requests, sampled, heads, "
-     "threads): every decoder layer of a step, the calls above in turn; the sampled rows' residual stream left in "
-     "the residual's first rows."},
+    {"os_page_size", os_page_size, METH_NOARGS,
+     "The OS page size in bytes."},
     {NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "vattn._native",
-                                    "Host virtual-memory primitives (mmap + memfd), DLPack capsules over raw memory, "
-                                    "CPU attention over strided K/V, the engine forward's fused elementwise operators, "
-                                    "its float32 GEMM, and its decoder layers in one call.",
-                                    -1, methods};
-
-PyMODINIT_FUNC PyInit__native(void) {
-    if (PyType_Ready(&ReservationType) < 0 || PyType_Ready(&PhysicalFileType) < 0) return NULL;
-    attention_init();
-    PyObject *m = PyModule_Create(&module);
-    if (!m) return NULL;
+int vmm_add_types(PyObject *m) {
+    if (PyType_Ready(&ReservationType) < 0 || PyType_Ready(&PhysicalFileType) < 0) return -1;
     MapLimitError = PyErr_NewExceptionWithDoc("vattn._native.MapLimitError",
                                               "The process ran out of virtual memory mapping entries.",
                                               PyExc_OSError, NULL);
-    if (PyModule_AddObjectRef(m, "MapLimitError", MapLimitError) < 0 ||
-        PyModule_AddObjectRef(m, "Reservation", (PyObject *)&ReservationType) < 0 ||
-        PyModule_AddObjectRef(m, "PhysicalFile", (PyObject *)&PhysicalFileType) < 0 ||
-        PyModule_AddIntConstant(m, "LINEAR_PANEL", LINEAR_PANEL) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    if (!MapLimitError) return -1;
+    return PyModule_AddObjectRef(m, "MapLimitError", MapLimitError) < 0 ||
+                   PyModule_AddObjectRef(m, "Reservation", (PyObject *)&ReservationType) < 0 ||
+                   PyModule_AddObjectRef(m, "PhysicalFile", (PyObject *)&PhysicalFileType) < 0
+               ? -1
+               : 0;
 }

@@ -36,7 +36,7 @@ def fill(cache: VirtualKVCache, slot: int, num_tokens: int, start: int = 0, seed
     written = []
     for layer in range(c.num_layers):
         k, v = (torch.randn(1, num_tokens, c.num_kv_heads, c.head_dim, generator=g, dtype=c.dtype) for _ in "kv")
-        cache.write(layer, [slot], [start], k, v)
+        cache.data.write(layer, [slot], [start], k, v)
         written.append((k[0], v[0]))
     return written
 
@@ -52,5 +52,13 @@ def physical_bytes(cache: VirtualKVCache, group: int, buffer: int) -> torch.Tens
 def state(cache: VirtualKVCache):
     """Everything a failed call must leave as it was."""
     return (list(cache.pool.refs), cache.pool.free_pages(), cache.pool.num_shared,
-            [(s.pages[:], s.capacity, s.written[:], s.shared_pages, s.idle_since) for s in cache._slots],
+            [(s.pages[:], s.capacity, s.written[:], s.shared_pages, s.idle_since) for s in cache.table.slots],
             cache.map_calls, cache.unmap_calls, sorted(cache._swapped), cache.stats())
+
+
+def live(cache, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[written, H, D]` K and V of the tokens the slot has written in `layer`:
+    views of the virtual cache, copies of what the paged one gathers (into a
+    buffer its next read reuses)."""
+    k, v = cache.data.rows(layer, slot, slot + 1, cache.length(slot, layer))
+    return (k[0], v[0]) if cache.kind == "virtual" else (k[0].clone(), v[0].clone())

@@ -5,13 +5,13 @@ import sys
 import pytest
 import torch
 
-from conftest import fill, make_cache, physical_bytes
+from conftest import fill, make_cache, physical_bytes, live
 
 
 def test_geometry(layout):
     cache = make_cache(layout)
     c = cache.config
-    K, V = cache.layer_kv(1)
+    K, V = cache.data.views(1)
     assert K.shape == V.shape == (c.max_num_seqs, c.max_seq_len, c.num_kv_heads, c.head_dim)
     assert K.stride()[-1] == 1 and K.dtype == c.dtype
     H, D = c.num_kv_heads, c.head_dim
@@ -31,14 +31,14 @@ def test_write_and_read_back(layout):
     data = fill(cache, a, 50)
     k2, v2 = (torch.randn(2, 3, 3, 8) for _ in "kv")
     for layer in range(2):
-        cache.write(layer, [a, b], [50, 0], k2, v2)  # several slots, each at its own position
+        cache.data.write(layer, [a, b], [50, 0], k2, v2)  # several slots, each at its own position
     for layer, (k, v) in enumerate(data):
-        ka, va = cache.live_kv(a, layer)
+        ka, va = live(cache, a, layer)
         assert torch.equal(ka, torch.cat([k, k2[0]])) and torch.equal(va, torch.cat([v, v2[0]]))
-        kb, vb = cache.live_kv(b, layer)
+        kb, vb = live(cache, b, layer)
         assert torch.equal(kb, k2[1]) and torch.equal(vb, v2[1])
     assert cache.length(a) == 53 and cache.capacity(a) == 60
-    K, _ = cache.layer_kv(0)
+    K, _ = cache.data.views(0)
     assert torch.equal(K[a, :50], data[0][0])  # the kernel view sees the same memory
     cache.check()
 
@@ -86,7 +86,7 @@ def test_mapping_grows_page_by_page(layout):
 
 def test_unmapped_memory_reads_as_zeros(layout):
     cache = make_cache(layout)
-    K, V = cache.layer_kv(0)
+    K, V = cache.data.views(0)
     assert float(K.abs().sum()) == 0 and float(V.abs().sum()) == 0
     slot = cache.allocate(5)
     fill(cache, slot, 5)
@@ -103,9 +103,9 @@ def test_freed_slot_is_reused_without_mapping(layout):
     calls = cache.map_calls
     again = cache.allocate(120)
     assert again == slot and cache.map_calls == calls
-    assert cache.live_kv(again, 0)[0].shape[0] == 0  # nothing of the previous owner is visible
+    assert live(cache, again, 0)[0].shape[0] == 0  # nothing of the previous owner is visible
     fill(cache, again, 3, seed=5)
-    assert cache.live_kv(again, 1)[0].shape[0] == 3
+    assert live(cache, again, 1)[0].shape[0] == 3
     cache.check()
 
 
@@ -150,7 +150,7 @@ def test_trim_returns_idle_memory(layout):
     after = cache.stats()
     assert after.pages_free == after.pages_total and after.committed_bytes == 0
     slot = cache.allocate(150)  # fresh pages read as zeros
-    K, _ = cache.layer_kv(0)
+    K, _ = cache.data.views(0)
     assert float(K[slot].abs().sum()) == 0
 
 
@@ -178,27 +178,27 @@ def test_shared_pages_see_the_same_bytes(layout):
     st = cache.stats()
     assert st.pages_shared == full
     for layer, (k, v) in enumerate(data):
-        kb, vb = cache.live_kv(b, layer)
+        kb, vb = live(cache, b, layer)
         assert torch.equal(kb, k[:n]) and torch.equal(vb, v[:n])
     # a byte written into a shared page (through the kernel view) shows in both slots
-    K, _ = cache.layer_kv(0)
+    K, _ = cache.data.views(0)
     K[a, 0, 0, 0] = 1234.0
-    assert float(cache.live_kv(b, 0)[0][0, 0, 0]) == 1234.0
+    assert float(live(cache, b, 0)[0][0, 0, 0]) == 1234.0
     # the tail page was copied: a change past the shared pages shows in one slot only
     last = n - 1
     assert last * c.token_bytes >= full * c.page_size
     K[a, last, 0, 0] = -1.0
-    assert float(cache.live_kv(b, 0)[0][last, 0, 0]) == float(data[0][0][last, 0, 0])
+    assert float(live(cache, b, 0)[0][last, 0, 0]) == float(data[0][0][last, 0, 0])
     # writes may not land on a shared page
     with pytest.raises(ValueError, match="shares with another slot"):
-        cache.write(0, [b], [0], *(torch.zeros(1, 1, 3, 8) for _ in "kv"))
+        cache.data.write(0, [b], [0], *(torch.zeros(1, 1, 3, 8) for _ in "kv"))
     assert cache.grow(b, n + 5)
     fill(cache, b, 5, start=n)  # appending past the shared pages is fine
     cache.check()
     cache.free(a)  # b keeps the shared pages, now privately
     assert cache.stats().pages_shared == 0
-    assert torch.equal(cache.live_kv(b, 1)[0][:n], data[1][0][:n])
-    cache.write(0, [b], [0], *(torch.zeros(1, 1, 3, 8) for _ in "kv"))  # private again: writable
+    assert torch.equal(live(cache, b, 1)[0][:n], data[1][0][:n])
+    cache.data.write(0, [b], [0], *(torch.zeros(1, 1, 3, 8) for _ in "kv"))  # private again: writable
     cache.check()
 
 
@@ -211,7 +211,7 @@ def test_share_into_an_existing_slot(layout):
     assert cache.share(a, b, 100)
     assert cache.length(b) == 100 and cache.capacity(b) == 100
     for layer, (k, v) in enumerate(data_a):
-        assert torch.equal(cache.live_kv(b, layer)[0], k[:100])
+        assert torch.equal(live(cache, b, layer)[0], k[:100])
     assert cache.stats().pages_free > free_before  # b's own pages went back
     assert cache.share(a, b, 100) and cache.map_calls  # again: nothing to change
     cache.check()
@@ -223,7 +223,7 @@ def test_swap_round_trip(layout):
     slot = cache.allocate(160)
     data = fill(cache, slot, 140)
     extra = torch.randn(1, 10, 3, 8)
-    cache.write(0, [slot], [140], extra, extra)  # layer 0 ahead of layer 1
+    cache.data.write(0, [slot], [140], extra, extra)  # layer 0 ahead of layer 1
     raw = cache.storage.bytes[:, slot, :150 * c.token_bytes].clone()
     free = cache.stats().pages_free
     swapped = cache.swap_out(slot)
@@ -234,8 +234,8 @@ def test_swap_round_trip(layout):
     assert back is not None and back != other
     assert cache.stats().pages_free == free - c.pages_for(50)
     assert torch.equal(cache.storage.bytes[:, back, :150 * c.token_bytes], raw)
-    assert cache.live_kv(back, 0)[0].shape[0] == 150 and cache.live_kv(back, 1)[0].shape[0] == 140
-    assert torch.equal(cache.live_kv(back, 1)[1], data[1][1])
+    assert live(cache, back, 0)[0].shape[0] == 150 and live(cache, back, 1)[0].shape[0] == 140
+    assert torch.equal(live(cache, back, 1)[1], data[1][1])
     with pytest.raises(ValueError, match="already swapped in"):
         cache.swap_in(swapped)
     cache.check()
@@ -274,11 +274,11 @@ for layout in ("per_layer", "per_head", "interleaved"):
     a = cache.allocate(200); fill(cache, a, 200)
     b = cache.fork(a, 77); cache.free(a); cache.trim()
     for layer in range(2):
-        K, V = cache.layer_kv(layer)
+        K, V = cache.data.views(layer)
         total = float(K.sum()) + float(V.sum()) + float(K.abs().max())  # every byte of every slot
     s = cache.swap_out(b); cache.trim()
     for layer in range(2):
-        float(cache.layer_kv(layer)[0].sum())
+        float(cache.data.views(layer)[0].sum())
 print("read everything")
 """
 
@@ -301,7 +301,7 @@ def test_reshare_a_shorter_prefix_keeps_writes_private(layout):
     assert cache.share(a, b, n) and cache.grow(b, n + 10)
     fill(cache, b, 10, start=n, seed=3)
     for layer, (k, v) in enumerate(data):
-        assert torch.equal(cache.live_kv(a, layer)[0], k) and torch.equal(cache.live_kv(a, layer)[1], v)
+        assert torch.equal(live(cache, a, layer)[0], k) and torch.equal(live(cache, a, layer)[1], v)
     cache.check()
 
 
@@ -314,7 +314,7 @@ def test_slots_trade_contents(layout):
     assert cache.share_many({slots[0]: slots[1], slots[1]: slots[0], slots[2]: slots[0]}, n)
     for dst, src in ((0, 1), (1, 0), (2, 0)):
         for layer in range(2):
-            k, v = cache.live_kv(slots[dst], layer)
+            k, v = live(cache, slots[dst], layer)
             assert torch.equal(k, data[src][layer][0][:n]) and torch.equal(v, data[src][layer][1][:n])
     c = cache.config
     # slot 0's old full pages are in slots 1 and 2; slot 1's moved to slot 0 alone
@@ -330,8 +330,8 @@ def test_truncate_makes_the_new_tail_private(layout):
     n = 50
     assert cache.truncate(b, n) and cache.length(b) == n and cache.grow(b, n + 20)
     fill(cache, b, 20, start=n, seed=4)  # lands on b's own pages
-    assert torch.equal(cache.live_kv(a, 0)[0], data[0][0])
-    assert torch.equal(cache.live_kv(b, 1)[1][:n], data[1][1][:n])
+    assert torch.equal(live(cache, a, 0)[0], data[0][0])
+    assert torch.equal(live(cache, b, 1)[1][:n], data[1][1][:n])
     cache.check()
 
 
@@ -340,7 +340,7 @@ def test_allocate_and_fork_a_given_slot(layout):
     assert cache.allocate(10, slot=2) == 2
     fill(cache, 2, 10)
     assert cache.fork(2, 10, slot=0) == 0
-    assert torch.equal(cache.live_kv(0, 1)[0], cache.live_kv(2, 1)[0])
+    assert torch.equal(live(cache, 0, 1)[0], live(cache, 2, 1)[0])
     assert cache.can_allocate(5, slot=1) and not cache.can_allocate(5, slot=2)
 
 
@@ -352,7 +352,7 @@ def test_trade_with_every_page_in_use(layout):
     da, db = fill(cache, a, 150, seed=1), fill(cache, b, 150, seed=2)
     assert cache.stats().pages_free == 0
     assert cache.share_many({a: b, b: a}, 150)
-    assert torch.equal(cache.live_kv(a, 1)[0], db[1][0]) and torch.equal(cache.live_kv(b, 0)[1], da[0][1])
+    assert torch.equal(live(cache, a, 1)[0], db[1][0]) and torch.equal(live(cache, b, 0)[1], da[0][1])
     cache.check()
 
 
@@ -368,7 +368,7 @@ def test_an_idle_slot_resumes_its_previous_tokens(layout):
     calls = cache.map_calls
     assert cache.allocate(180, slot=slot, resume=100) == slot
     assert cache.length(slot) == 100 and cache.capacity(slot) == 180
-    k, v = cache.live_kv(slot, 1)
+    k, v = live(cache, slot, 1)
     assert torch.equal(k, data[1][0][:100]) and torch.equal(v, data[1][1][:100])
     assert cache.map_calls == calls + (c.pages_for(180) > c.pages_for(150))
     fill(cache, slot, 5, start=100, seed=3)  # the new owner continues after the kept tokens
@@ -405,7 +405,7 @@ def test_shrink_unmaps_what_a_reused_slot_holds_past_its_size(layout):
     assert cache.shrink([slot]) == c.pages_for(190) - c.pages_for(30)
     assert cache.mapped_pages(slot) == c.pages_for(30) and cache.unmap_calls == unmaps + 1
     assert cache.shrink([slot]) == 0
-    assert torch.equal(cache.live_kv(slot, 0)[0], data[0][0])
+    assert torch.equal(live(cache, slot, 0)[0], data[0][0])
     st = cache.stats()
     assert st.pages_free == st.pages_total - c.pages_for(30)
     cache.check()
@@ -428,7 +428,7 @@ def test_what_a_reused_slot_holds_past_its_size_is_reclaimable(layout):
     assert cache.available_pages() == 1 + c.pages_for(190) - c.pages_for(10)
     other = cache.allocate(190)  # takes the surplus from the slot's tail
     assert other is not None and cache.mapped_pages(slot) == c.pages_for(10)
-    assert torch.equal(cache.live_kv(slot, 1)[1], data[1][1])
+    assert torch.equal(live(cache, slot, 1)[1], data[1][1])
     assert cache.grow(slot, c.page_size // c.token_bytes + 10) is False  # nothing spare is left
     cache.check()
 
@@ -438,6 +438,6 @@ def test_live_rows_are_views_of_the_virtual_cache_and_copies_of_the_paged_one():
         cache = make_cache(layout)
         slot = cache.allocate(10)
         fill(cache, slot, 10)
-        k, _ = cache.live_kv(slot, 0)
-        cache.write(0, [slot], [0], torch.full((1, 1, 3, 8), 7.0), torch.zeros(1, 1, 3, 8))
+        k, _ = live(cache, slot, 0)
+        cache.data.write(0, [slot], [0], torch.full((1, 1, 3, 8), 7.0), torch.zeros(1, 1, 3, 8))
         assert (float(k[0, 0, 0]) == 7.0) == (layout != "paged")

@@ -4,7 +4,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from conftest import make_cache, physical_bytes
+from conftest import make_cache, physical_bytes, live
 
 MAX_SEQ = 120
 
@@ -88,7 +88,7 @@ class CacheMachine(RuleBasedStateMachine):
         g = torch.Generator().manual_seed(self.seed)
         for layer in range(self.c.num_layers):
             k, v = (torch.randn(1, t, self.c.num_kv_heads, self.c.head_dim, generator=g) for _ in "kv")
-            self.cache.write(layer, [slot], [length], k, v)
+            self.cache.data.write(layer, [slot], [length], k, v)
             K, V = self.model[slot][layer]
             self.model[slot][layer] = (torch.cat([K, k[0]]), torch.cat([V, v[0]]))
 
@@ -182,7 +182,7 @@ class CacheMachine(RuleBasedStateMachine):
     def data_intact(self):
         for slot, layers in self.model.items():
             for layer, (k, v) in enumerate(layers):
-                ck, cv = self.cache.live_kv(slot, layer)
+                ck, cv = live(self.cache, slot, layer)
                 assert torch.equal(ck, k) and torch.equal(cv, v), f"slot {slot} layer {layer} changed"
 
     @invariant()

@@ -29,6 +29,42 @@ def test_info():
     assert "tensor parallelism" in out and "torch.distributed (gloo" in out
 
 
+def test_each_benchmark_takes_and_lists_its_own_options():
+    kernels, soak = vattn("bench", "kernels", "--help"), vattn("bench", "soak", "--help")
+    assert "--contexts" in kernels and "--chaos" not in kernels and "--workload" not in kernels
+    assert "--chaos" in soak and "--contexts" not in soak
+    refused = subprocess.run([sys.executable, "-m", "vattn", "bench", "soak", "--contexts", "8"], capture_output=True,
+                             text=True, timeout=60)
+    assert refused.returncode != 0 and "unrecognized arguments: --contexts" in refused.stderr
+
+
+def test_the_demo_s_figures_fit_a_100_column_terminal():
+    from rich.console import Console
+
+    from vattn import report
+    from vattn.demo import title
+    from vattn.workload import figure_rows
+
+    summary = {"mean": 41335.9, "median": 43491.6, "p99": 48543.4}
+    figures = dict(requests=32, seconds=123.4, req_per_s=0.26, output_tok_per_s=85.5, ttft_ms=summary,
+                   tpot_ms=summary, itl_ms=summary, e2el_ms=summary, kv_utilization=0.915, peak_pages=4096,
+                   pages_total=4096, page_size=8192, num_buffers=180, layout="interleaved", preemptions=10000,
+                   prefix_hit_rate=0.5, attention="triton", per_request_decodes=12345, step_ms_median=352.2,
+                   decode_step_ms_median=271.0, map_ms_per_step=2.339, linear_gemms=121, linear_weight_bytes=513 << 20,
+                   linear_bytes_held_twice=108 << 20, tensor_parallel_size=3,
+                   kv_bytes_per_rank={"peak": 627 << 20, "budget": 5760 << 20}, broadcast_ms_per_step=1.5)
+    rows = figure_rows(figures)
+    narrow = Console(width=100, record=True)
+    kept, report.console = report.console, narrow
+    try:
+        report.print_table(title(32, 3), ["", ""], rows)
+    finally:
+        report.console = kept
+    lines = narrow.export_text().splitlines()
+    assert len(lines) == len(rows) + 5  # title, borders, header: no row wrapped
+    assert max(map(len, lines)) <= 100
+
+
 def test_bench_vmm_writes_json(tmp_path):
     path = tmp_path / "vmm.json"
     out = vattn("bench", "vmm", "--repeats", "2", "--steps", "16", "--json", str(path))

@@ -6,7 +6,9 @@ from tiny_models import CACHE_KEYWORD, TINY, tiny_model
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from vattn import CacheConfig, SamplingParams, VirtualKVCache
-from vattn.attention import StepBatch, attention, step
+from conftest import live
+from vattn.attention import attention, prepare, running
+from vattn.attention.batch import StepBatch
 from vattn.backends import CudaBackend, CudaUnavailable, get_backend
 from vattn.backends.cuda import unavailable
 from vattn.bench.soak import pool_is_whole
@@ -102,17 +104,17 @@ def test_cache_on_cuda_writes_shares_and_swaps():
     g = torch.Generator(device="cuda").manual_seed(0)
     kv = [[torch.randn(1, 300, 3, 64, generator=g, device="cuda").to(torch.bfloat16) for _ in "kv"] for _ in range(2)]
     for layer, (k, v) in enumerate(kv):
-        cache.write(layer, [slot], [0], k, v)
+        cache.data.write(layer, [slot], [0], k, v)
     fork = cache.fork(slot, 250)
     swapped = cache.swap_out(slot)
     assert swapped.data.is_pinned() and swapped.data.device.type == "cpu"
     back = cache.swap_in(swapped)
     for layer, (k, v) in enumerate(kv):
-        got_k, got_v = cache.live_kv(back, layer)
+        got_k, got_v = live(cache, back, layer)
         assert torch.equal(got_k, k[0]) and torch.equal(got_v, v[0])
-        assert torch.equal(cache.live_kv(fork, layer)[0], k[0, :250])
+        assert torch.equal(live(cache, fork, layer)[0], k[0, :250])
     cache.check()
-    assert cache.readable(back, back + 1, 300) and not cache.readable(0, 4, 300)
+    assert cache.data.readable(back, back + 1, 300) and not cache.data.readable(0, 4, 300)
 
 
 @cuda
@@ -134,13 +136,13 @@ def test_attention_on_cuda_matches_the_host(kernel):
         for n in lengths:
             slot = cache.allocate(n + 1)
             k, v = (torch.randn(1, n, 2, 64, generator=g).to(torch.bfloat16).to(device) for _ in "kv")
-            cache.write(0, [slot], [0], k, v)
+            cache.data.write(0, [slot], [0], k, v)
         chunk = cache.allocate(48)
-        batch = StepBatch(cache, [0, 1, 2], lengths, [(chunk, 0, 48)],
-                          registry.KERNELS[kernel] if device == "cuda" else None)
+        batch = StepBatch([0, 1, 2], lengths, [(chunk, 0, 48)])
+        chosen = registry.KERNELS[kernel] if device == "cuda" else registry.pick_for(cache)
         q, k, v = (torch.randn(1, H, 51, 64, generator=g).to(torch.bfloat16).to(device) for H in (8, 2, 2))
         module = type("Layer", (), {"layer_idx": 0})()
-        with step(batch):
+        with running(prepare(batch, cache.data, chosen)):
             outs.append(attention(module, q, k, v, None, scaling=0.125)[0].float().cpu())
     torch.testing.assert_close(outs[1], outs[0], atol=2e-2, rtol=2e-2)
 
@@ -180,7 +182,7 @@ def test_engine_on_cuda_equals_hf_generate(arch):
     model = tiny_model(arch, "sdpa").to("cuda")
     reference = [hf_greedy(model, p, 40) for p in prompts()]
     engine = LLMEngine(model, max_num_seqs=4, max_num_batched_tokens=32, max_seq_len=160)
-    assert engine.cache.device.type == "cuda" and engine.cache.config.layout == "interleaved"
+    assert engine.kv.cache.device.type == "cuda" and engine.kv.cache.config.layout == "interleaved"
     assert engine_outputs(engine) == reference
     engine.close()
 
@@ -190,20 +192,21 @@ def test_the_zero_page_on_cuda_makes_sdpa_decode_in_one_batched_call():
     c = CacheConfig(2, 2, 64, torch.float32, max_num_seqs=3, max_seq_len=4096, device="cuda", layout="interleaved")
     cache = VirtualKVCache(c)
     short, _ = cache.allocate(10), cache.allocate(3000)
-    assert not cache.readable(0, 3, 3000) and cache.zero_fill(0, 3, 3000) and cache.readable(0, 3, 3000)
-    K, V = cache.rows_kv(1, 0, 3, 3000)
+    data = cache.data
+    assert not data.readable(0, 3, 3000) and data.readable(0, 3, 3000, fill=True) and data.readable(0, 3, 3000)
+    K, V = cache.data.rows(1, 0, 3, 3000)
     assert float(K[short].abs().sum() + V[2].abs().sum()) == 0  # read, unmapped until filled: zeros, no fault
     assert cache.grow(short, 3000)  # real pages take the zero page's place
     k = torch.ones(1, 2990, 2, 64, device="cuda")
-    cache.write(0, [short], [0], k[:, :10], k[:, :10])
-    cache.write(0, [short], [10], k, -k)
-    assert float(cache.live_kv(short, 0)[1].sum()) == 10 * 128 - 2990 * 128
-    assert float(cache.rows_kv(0, 2, 3, 3000)[0].abs().sum()) == 0  # the zero page took no write
+    cache.data.write(0, [short], [0], k[:, :10], k[:, :10])
+    cache.data.write(0, [short], [10], k, -k)
+    assert float(live(cache, short, 0)[1].sum()) == 10 * 128 - 2990 * 128
+    assert float(cache.data.rows(0, 2, 3, 3000)[0].abs().sum()) == 0  # the zero page took no write
     cache.check()
     model = tiny_model("llama", "sdpa").to("cuda")
     engine = LLMEngine(model, attention="sdpa", max_num_seqs=4, max_num_batched_tokens=32, max_seq_len=160)
     assert engine_outputs(engine) == [hf_greedy(model, p, 40) for p in prompts()]
-    assert engine.stats.per_request_decodes == 0 and engine.cache._zero_filled
+    assert engine.stats.per_request_decodes == 0 and engine.kv.cache.table.zero_filled
     engine.close()
 
 
@@ -216,7 +219,7 @@ def test_engine_on_cuda_under_preemption(mode):
     engine = LLMEngine(model, max_num_seqs=4, max_num_batched_tokens=32, max_seq_len=160, preemption_mode=mode,
                        memory_budget=budget)
     assert engine_outputs(engine) == reference
-    assert engine.stats.preemptions > 0 and engine.cache.map_calls > 0
+    assert engine.stats.preemptions > 0 and engine.kv.cache.map_calls > 0
     engine.close()
 
 
@@ -278,7 +281,7 @@ for layout, budget, mode in [("per_head", None, "recompute"), ("per_layer", None
                              ("interleaved", None, "recompute"), ("per_layer", 4 * 4 * 4096, "swap")]:
     engine = LLMEngine(model, page_size=4096, max_num_seqs=4, max_num_batched_tokens=32, max_seq_len=160,
                        layout=layout, memory_budget=budget, preemption_mode=mode)
-    assert not engine.cache.storage.reservation.zero_backed
+    assert not engine.kv.cache.storage.reservation.zero_backed
     ids = [engine.add_request(p, SamplingParams(max_tokens=40, temperature=0)) for p in prompts()]
     done = {o.request_id: o.outputs[0].token_ids for o in engine.stream() if o.finished}
     assert [done[i] for i in ids] == reference, layout

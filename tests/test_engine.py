@@ -12,7 +12,8 @@ from transformers import GenerationConfig
 
 from vattn import PagedKVCache, SamplingParams
 from vattn.bench.soak import failures, pool_is_whole, soak
-from vattn.engine import LLMEngine, forward
+from vattn import _native
+from vattn.engine import LLMEngine
 from vattn.engine.request import Status
 
 PROMPT_LENS = (3, 17, 40, 9, 70, 33)
@@ -84,9 +85,9 @@ def test_preemption_keeps_outputs(tiny, mode):
 def test_paged_baseline_equals_hf_generate(tiny, block_size):
     model, reference = tiny
     engine = engine_for(model, kv_cache="paged", block_size=block_size)
-    assert isinstance(engine.cache, PagedKVCache) and engine.cache.block_size == block_size
+    assert isinstance(engine.kv.cache, PagedKVCache) and engine.kv.cache.block_size == block_size
     assert run(engine, [(p, greedy()) for p in prompts()]) == [[r] for r in reference]
-    assert engine.cache.map_calls > 0  # block-table updates, counted as the virtual cache counts its maps
+    assert engine.kv.cache.map_calls > 0  # block-table updates, counted as the virtual cache counts its maps
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -248,7 +249,7 @@ def test_abort_mid_generation_leaves_the_others_alone(tiny):
     assert engine.requests[running].status is Status.RUNNING and engine.requests[waiting].status is Status.WAITING
     engine.abort(running)
     engine.abort(waiting)
-    engine.cache.check()
+    engine.kv.cache.check()
     done |= {o.request_id: o.outputs[0].token_ids for o in engine.stream() if o.finished}
     assert set(done) == set(ids) - {running, waiting}
     assert all(done[i] == r for i, r in zip(ids, reference) if i in done)
@@ -289,7 +290,7 @@ def test_a_failing_forward_changes_nothing(tiny, monkeypatch, own_forward):
         return failing
 
     monkeypatch.setattr(down, "forward", flaky(down.forward))
-    monkeypatch.setattr(forward._native, "decoder_layers", flaky(forward._native.decoder_layers))  # every layer
+    monkeypatch.setattr(_native, "decoder_layers", flaky(_native.decoder_layers))  # every layer
     done, failures = {}, 0
     while engine.has_unfinished_requests():
         try:
@@ -297,7 +298,7 @@ def test_a_failing_forward_changes_nothing(tiny, monkeypatch, own_forward):
         except RuntimeError as e:
             assert "injected" in str(e)
             failures += 1
-            engine.cache.check()
+            engine.kv.cache.check()
             continue
         done |= {o.request_id: o.outputs[0].token_ids for o in outs if o.finished}
     assert failures == 2
@@ -356,9 +357,9 @@ def test_close_gives_the_model_its_attention_back():
 def test_close_gives_back_the_memory_idle_slots_hold():
     engine = engine_for(tiny_model("llama", "sdpa"))
     run(engine, [(p, greedy(8)) for p in prompts([40, 50])])
-    assert engine.cache.stats().committed_bytes > 0  # finished requests' slots keep their pages, idle
+    assert engine.kv.cache.stats().committed_bytes > 0  # finished requests' slots keep their pages, idle
     engine.close()
-    assert engine.cache.stats().committed_bytes == 0
+    assert engine.kv.cache.stats().committed_bytes == 0
 
 
 def test_memory_budget_too_small_for_a_request():
@@ -380,7 +381,7 @@ reference = []
 for p in prompts:  # one by one
     engine.add_request(p, SamplingParams(max_tokens=30, temperature=0))
     reference += [o.outputs[0].token_ids for o in engine.stream() if o.finished]
-engine.cache.trim()  # no page mapped: the next requests need new mappings
+engine.kv.cache.trim()  # no page mapped: the next requests need new mappings
 ids = [engine.add_request(p, SamplingParams(max_tokens=30, temperature=0)) for p in prompts]
 with open("/proc/sys/vm/max_map_count") as f:
     limit = int(f.read())
@@ -394,7 +395,7 @@ try:
     engine.step()
 except RuntimeError as e:
     print("REFUSED", e)
-engine.cache.check()
+engine.kv.cache.check()
 del hog, pool  # the entries come back
 done = {o.request_id: o.outputs[0].token_ids for o in engine.stream() if o.finished}
 print("EQUAL", [done[i] for i in ids] == reference, "WHOLE", pool_is_whole(engine))

@@ -1,4 +1,4 @@
-"""The engine's own forward (`vattn.engine.forward`): the model's logits bit
+"""The engine's own forward (`vattn.executor.forward`): the model's logits bit
 for bit on every step (within float32 rounding with its elementwise work
 fused), and the model's own forward wherever it would not be transformers'
 arithmetic."""
@@ -14,8 +14,8 @@ from tiny_models import SMALL, TINY, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from vattn import SamplingParams, _native
-from vattn.engine import forward, gemm
-from vattn.engine.forward import DecoderForward
+import vattn.executor.gemm as gemm
+from vattn.executor.forward import DecoderForward
 
 
 def dynamic_rope_llama():
@@ -32,9 +32,9 @@ def compare_each_step(engine, same) -> list[bool]:
     runner, equal = engine.runner, []
     own = runner.decoder
 
-    def both(ids, positions, rows, batch):
-        logits = own(ids, positions, rows, batch)
-        equal.append(same(logits, runner._model_logits(ids[None], rows, batch)))  # rewrites the step's K/V
+    def both(ids, positions, rows, step):
+        logits = own(ids, positions, rows, step)
+        equal.append(same(logits, runner._model_logits(ids[None], positions[None], rows, step)))  # rewrites the K/V
         return logits
 
     runner.decoder = both
@@ -54,7 +54,7 @@ def test_the_own_forward_gives_the_models_logits(arch, fuse, same, settings):
     model = dynamic_rope_llama() if arch == "dynamic_rope" else tiny_model(arch, "sdpa")
     long = dict(allow_long_max_seq_len=True) if arch == "dynamic_rope" else {}  # dynamic RoPE stretches past 32
     engine = engine_for(model, fuse_elementwise=fuse, **settings, **long)
-    assert engine.runner.decoder is not None and engine.runner.decoder.fused == fuse
+    assert engine.runner.decoder is not None and engine.runner.decoder.elementwise == fuse
     assert (engine.runner.decoder._rotary is None) == (arch == "dynamic_rope")  # dynamic: made each step
     equal = compare_each_step(engine, same)
     samples = SamplingParams(max_tokens=12, temperature=0.8, seed=5, n=2)
@@ -84,11 +84,11 @@ def test_the_fused_forward_writes_into_the_same_buffers_every_step():
     assert len(seen) > 10 and all(buffers == seen[2] for buffers in seen[2:])
 
 
-def layer_loop_logits(decoder, ids, positions, rows, batch) -> torch.Tensor:
+def layer_loop_logits(decoder, ids, positions, rows, step) -> torch.Tensor:
     """The fused forward's logits by its layer loop in Python, the native call set aside."""
-    kept, decoder._one_call = decoder._one_call, (batch.cache, None, [])
+    kept, decoder._one_call = decoder._one_call, (step.data, None, [])
     try:
-        return DecoderForward.__call__(decoder, ids, positions, rows, batch).clone()
+        return DecoderForward.__call__(decoder, ids, positions, rows, step).clone()
     finally:
         decoder._one_call = kept
 
@@ -148,7 +148,7 @@ def test_a_bad_native_layer_call_raises_and_writes_nothing(monkeypatch):
         table, sampled, heads, threads = rest[-4:]
         batch = batches[-1]
         rows_kv = [(k[slot, length - n:length].clone(), v[slot, length - n:length].clone())
-                   for layer in range(len(layers)) for k, v in [batch.cache.layer_kv(layer)]
+                   for layer in range(len(layers)) for k, v in [batch.cache.data.views(layer)]
                    for slot, _, length, _, n in zip(*[iter(table)] * 5)]
         before = [_bytes(residual), _bytes(qkv)]
         wrong_panels = (layers[1][0][0], layers[1][0][1] - 1, *layers[1][0][2:])
@@ -168,14 +168,14 @@ def test_a_bad_native_layer_call_raises_and_writes_nothing(monkeypatch):
             assert [_bytes(residual), _bytes(qkv)] == before
             assert all(torch.equal(k, k2) and torch.equal(v, v2) for (k, v), (k2, v2) in zip(rows_kv, [
                 (k[slot, length - n:length], v[slot, length - n:length])
-                for layer in range(len(layers)) for k, v in [batch.cache.layer_kv(layer)]
+                for layer in range(len(layers)) for k, v in [batch.cache.data.views(layer)]
                 for slot, _, length, _, n in zip(*[iter(table)] * 5)]))
             refused.append(message)
         with pytest.raises(TypeError, match="a layer is"):
             real((layers[0][:-1],), residual, x, qkv, *rest)
         return real(layers, residual, x, qkv, *rest)
 
-    monkeypatch.setattr(forward._native, "decoder_layers", checked)
+    monkeypatch.setattr(_native, "decoder_layers", checked)
     engine.runner.decoder = step
     assert run(engine, [(p, greedy(8)) for p in prompts()]) == reference
     assert len(refused) == 5
@@ -197,7 +197,7 @@ def test_the_fused_forward_serves_float32_on_the_host_only():
     """bfloat16 rows run the exact forward: the fused kernels take float32."""
     model = tiny_model("llama", "sdpa").to(torch.bfloat16)
     engine = engine_for(model)
-    assert engine.runner.decoder is not None and not engine.runner.decoder.fused
+    assert engine.runner.decoder is not None and not engine.runner.decoder.elementwise
     engine.close()
 
 

@@ -1,4 +1,4 @@
-"""vattn's own float32 GEMM (`vattn.engine.gemm`) against float64 arithmetic:
+"""vattn's own float32 GEMM (`vattn.executor.gemm`) against float64 arithmetic:
 every block size and a partial last panel, more rows than a chunk, strided
 input rows, with and without a bias, on one thread and two; the packing
 undone bit for bit; and every input it must refuse, refused before it
@@ -6,11 +6,11 @@ writes."""
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fused import threads
+from test_elementwise import threads
 
 from vattn import _native
-from vattn.engine import gemm
-from vattn.engine.fused import matrix
+import vattn.executor.gemm as gemm
+from vattn.binding import rows as matrix
 
 pytestmark = pytest.mark.skipif(not _native.linear_serves(), reason="the native GEMM needs AVX-512")
 

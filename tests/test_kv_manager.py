@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from conftest import make_cache, state
+from conftest import make_cache, state, live
 from vattn.kv.manager import KVCacheManager
 
 MAX_SEQ = 96
@@ -42,7 +42,7 @@ class ManagerMachine(RuleBasedStateMachine):
         k, v = kv_of(self.c, tokens[:start + n])
         slot = self.kv.slot(seq)
         for layer in range(self.c.num_layers):
-            self.cache.write(layer, [slot], [start], k[None, start:], v[None, start:])
+            self.cache.data.write(layer, [slot], [start], k[None, start:], v[None, start:])
         self.computed[seq] = start + n
         self.kv.cache_tokens(seq, tokens, start + n)
 
@@ -60,8 +60,8 @@ class ManagerMachine(RuleBasedStateMachine):
         self.seqs[seq], self.computed[seq] = tokens, cached
         if cached:  # what the hit resumed holds exactly this prompt's K/V
             k, _ = kv_of(self.c, tokens[:cached])
-            live, _ = self.cache.live_kv(self.kv.slot(seq), 0)
-            assert torch.equal(live[:cached], k)
+            held, _ = live(self.cache, self.kv.slot(seq), 0)
+            assert torch.equal(held[:cached], k)
         n = min(budget, len(tokens) - cached)
         assert self.cache.capacity(self.kv.slot(seq)) >= cached + n
         self.compute(seq, n)
@@ -120,7 +120,7 @@ class ManagerMachine(RuleBasedStateMachine):
             n = self.computed[seq]
             assert self.cache.length(self.kv.slot(seq)) == n
             k, v = kv_of(self.c, tokens[:n])
-            got_k, got_v = self.cache.live_kv(self.kv.slot(seq), self.c.num_layers - 1)
+            got_k, got_v = live(self.cache, self.kv.slot(seq), self.c.num_layers - 1)
             assert torch.equal(got_k, k) and torch.equal(got_v, v)
         assert 0 <= self.kv.num_available_pages() <= self.kv.num_pages and 0 <= self.kv.usage <= 1
 
@@ -190,7 +190,7 @@ def test_a_prompt_resumes_the_pages_another_computed():
     assert kv.allocate("a", prompt, len(prompt)) == 0
     for layer in range(cache.config.num_layers):
         k, v = kv_of(cache.config, prompt)
-        cache.write(layer, [kv.slot("a")], [0], k[None], v[None])
+        cache.data.write(layer, [kv.slot("a")], [0], k[None], v[None])
     kv.cache_tokens("a", prompt, len(prompt))
     hit = kv.allocate("b", prompt + [99], 4)  # a running holder: its pages are shared
     assert hit == len(prompt) == cache.config.tokens_in(6) and cache.stats().pages_shared == 6  # 8 tokens a page

@@ -12,8 +12,8 @@ from torch import nn
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from vattn import SamplingParams, _native
-from vattn.engine import gemm
-from vattn.engine.linears import Fused, Linear, Part, serve_linears
+import vattn.executor.gemm as gemm
+from vattn.executor.linears import Linear, Merged, Part, serve_linears
 
 ON, OFF = True, False
 SWITCHES = [dict(pack_linears=p, native_gemm=n, fuse_projections=f, own_forward=o, fuse_elementwise=e)
@@ -52,7 +52,7 @@ def test_served_linears_compute_the_same_and_restore_bit_for_bit(arch, pack, fus
     with torch.inference_mode():
         expected = model(ids).logits
     before, modules = snapshot(model), [(n, type(m)) for n, m in model.named_modules()]
-    served = serve_linears(model, pack, fuse, native=native)
+    served = serve_linears(model, pack, fuse, native_gemm=native)
     layers = SMALL["num_hidden_layers"]
     # per layer: Q/K/V and gate/up as one GEMM each when fused; packed, the others too (2 or 7) and the LM head
     assert served.num_gemms == 2 * layers * fuse + ((2 if fuse else 7) * layers + 1) * pack
@@ -123,7 +123,7 @@ def test_weights_read_from_a_mapped_file_give_their_pages_back(tmp_path, tied):
 def test_a_fused_part_recomputes_when_called_out_of_pattern():
     torch.manual_seed(0)
     linears = [nn.Linear(8, n, bias=True) for n in (4, 2, 2)]
-    group = Fused(linears, pack=True, rows=4)
+    group = Merged(linears, pack=True, rows=4)
     parts = [Part(group, i) for i in range(3)]
     x, y = torch.randn(3, 8), torch.randn(3, 8)
     with torch.no_grad():
@@ -226,7 +226,7 @@ def test_a_failure_part_way_leaves_the_model_as_it_was(monkeypatch, native):
 
     monkeypatch.setattr(owner, name, failing)
     with pytest.raises(RuntimeError, match="packed weight"):
-        serve_linears(model, native=native)
+        serve_linears(model, native_gemm=native)
     assert len(calls) == 5
     assert_unchanged(model, before, modules)
 

@@ -1,10 +1,10 @@
-"""Rank 0's cache calls replayed on another rank's cache (`vattn.engine.lockstep`),
+"""Rank 0's cache calls replayed on another rank's cache (`vattn.distributed.lockstep`),
 in one process: every kind of call, the same books after, and a replay
 that comes out otherwise refused."""
 import pytest
 
 from conftest import fill, make_cache
-from vattn.engine.lockstep import Diverged, RecordingKV, Replica, books
+from vattn.distributed.lockstep import Diverged, RecordingKV, Replica, books
 from vattn.kv.manager import KVCacheManager
 
 PROMPT = [1, 2, 3, 4] * 24  # 96 tokens: two full 42-token pages and a tail

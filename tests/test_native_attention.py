@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vattn import _native, attention
-from vattn.attention import StepBatch
-from vattn.attention.native import attend, requests
+from vattn.attention.batch import StepBatch
+from vattn.attention.registry import pick_for
+from vattn.binding import attend, request_table
 from vattn.config import CacheConfig
 from vattn.kv.virtual import VirtualKVCache
 
@@ -69,8 +70,8 @@ def cache_views(layout, heads, kv_heads, dim, lengths, dtype, seed=0, slots=None
         if n:
             cache.grow(slot, n)
             k, v = (torch.randn(1, n, kv_heads, dim, generator=g).to(dtype) for _ in "kv")
-            cache.write(1, [slot], [0], k, v)
-    return cache, *cache.layer_kv(1)
+            cache.data.write(1, [slot], [0], k, v)
+    return cache, *cache.data.views(1)
 
 
 @pytest.mark.parametrize("layout", ["per_head", "per_layer", "interleaved"])
@@ -82,7 +83,7 @@ def test_decode_equals_sdpa(layout, heads, kv_heads, dim, dtype):
     slots = [6, 0, 3, 4, 1, 8, 2]
     cache, K, V = cache_views(layout, heads, kv_heads, dim, lengths, dtype, slots=slots)
     q = torch.randn(len(lengths), heads, dim, generator=torch.Generator().manual_seed(1)).to(dtype)
-    table = requests((slot, 0, n, i, 1 if n else 0) for i, (slot, n) in enumerate(zip(slots, lengths)))
+    table = request_table((slot, 0, n, i, 1 if n else 0) for i, (slot, n) in enumerate(zip(slots, lengths)))
     out = attend(q, K, V, table, dim ** -0.5)
     live = [i for i, n in enumerate(lengths) if n]
     assert close(out[live], reference(q, K, V, table, dim ** -0.5)[live], dtype)
@@ -97,7 +98,7 @@ def test_chunked_prefill_and_windows_equal_sdpa(window, dtype):
     lengths = [500, 257, 64, 1000]
     cache, K, V = cache_views("per_head", heads, kv_heads, dim, lengths, dtype)
     rows = [(0, 0, 500, 0, 1), (1, 0, 257, 1, 100), (2, 10, 64, 101, 54), (3, 200, 1000, 155, 3)]
-    table = requests(rows)
+    table = request_table(rows)
     q = torch.randn(158, heads, dim, generator=torch.Generator().manual_seed(2)).to(dtype)
     out = attend(q, K, V, table, 0.1, window)
     assert close(out, reference(q, K, V, table, 0.1, window), dtype)
@@ -116,7 +117,7 @@ def test_new_k_and_v_are_stored_at_each_request_s_rows_before_it_attends(layout,
     g = torch.Generator().manual_seed(6)
     T = sum(new)
     q, new_k, new_v = (torch.randn(T, h, dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
-    table = requests([(0, 0, 301, 0, 1), (1, 0, 41, 1, 1), (2, 0, 70, 2, 70)])
+    table = request_table([(0, 0, 301, 0, 1), (1, 0, 41, 1, 1), (2, 0, 70, 2, 70)])
     before_k, before_v = K.clone(), V.clone()
     out = attend(q, K, V, table, 0.125, None, None, new_k, new_v)
     expected_k, expected_v = before_k.clone(), before_v.clone()
@@ -128,7 +129,7 @@ def test_new_k_and_v_are_stored_at_each_request_s_rows_before_it_attends(layout,
 
 def test_new_k_and_v_of_the_wrong_shape_are_refused_with_nothing_written():
     cache, K, V = cache_views("per_layer", 4, 2, 64, [10, 64], torch.float32)
-    table = requests([(0, 0, 10, 0, 1), (1, 0, 64, 1, 3)])
+    table = request_table([(0, 0, 10, 0, 1), (1, 0, 64, 1, 3)])
     q, out = torch.randn(4, 4, 64), torch.full((4, 4, 64), 7.0)
     before = K.clone(), V.clone(), out.clone()
     for new_k, new_v, message in [(torch.randn(4, 3, 64), torch.randn(4, 3, 64), r"\[T, H_kv, D\] = \[4, 2, 64\]"),
@@ -141,7 +142,7 @@ def test_new_k_and_v_of_the_wrong_shape_are_refused_with_nothing_written():
 
 
 def test_the_engine_s_attend_stores_the_step_s_k_v_and_writes_into_the_out_it_is_given():
-    """`vattn.attention.attend` over a StepBatch: the native kernel appends,
+    """`vattn.attention.attend` over a prepared step: the native kernel appends,
     the cache records the write; an `out` that does not fit q is refused
     before anything is stored."""
     heads, kv_heads, dim = 6, 2, 64
@@ -149,19 +150,19 @@ def test_the_engine_s_attend_stores_the_step_s_k_v_and_writes_into_the_out_it_is
     g = torch.Generator().manual_seed(7)
     for slot, n, grown in ((0, 20, 21), (1, 7, 11)):
         cache.grow(slot, grown)
-        cache.write(0, [slot], [0], *(torch.randn(1, n, kv_heads, dim, generator=g) for _ in "kv"))  # layer 0 too
+        cache.data.write(0, [slot], [0], *(torch.randn(1, n, kv_heads, dim, generator=g) for _ in "kv"))  # layer 0 too
     q, k, v = (torch.randn(5, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
-    batch = StepBatch(cache, [0], [20], [(1, 7, 4)])  # a decode token, then a 4-token chunk
-    assert batch.kernel.name == "native" and batch.kernel.stores_kv
+    step = attention.prepare(StepBatch([0], [20], [(1, 7, 4)]), cache.data, pick_for(cache))  # a decode, a chunk
+    assert step.kernel.name == "native" and step.kernel.stores_kv
     before = K.clone(), V.clone()
     with pytest.raises(ValueError, match=r"out is torch.float32 \(5, 6, 32\)"):
-        attention.attend(batch, 1, q, k, v, 0.125, 0, torch.empty(5, heads, 32))
+        attention.attend(step, 1, q, k, v, 0.125, 0, torch.empty(5, heads, 32))
     assert torch.equal(K, before[0]) and torch.equal(V, before[1])
     out = torch.full_like(q, 7.0)
-    assert attention.attend(batch, 1, q, k, v, 0.125, 0, out) is out
+    assert attention.attend(step, 1, q, k, v, 0.125, 0, out) is out
     assert torch.equal(K[0, 20], k[0]) and torch.equal(K[1, 7:11], k[1:]) and torch.equal(V[1, 7:11], v[1:])
     assert cache.length(0, 1) == 21 and cache.length(1, 1) == 11
-    table = requests([(0, 0, 21, 0, 1), (1, 0, 11, 1, 4)])
+    table = request_table([(0, 0, 21, 0, 1), (1, 0, 11, 1, 4)])
     assert close(out, reference(q, K, V, table, 0.125), torch.float32)
 
 
@@ -170,7 +171,7 @@ def test_every_instruction_set_gives_the_same_answer(isa):
     chosen = _native.attention_isa()
     cache, K, V = cache_views("per_layer", 16, 4, 128, [300, 1500, 77], torch.float32)
     q = torch.randn(40, 16, 128, generator=torch.Generator().manual_seed(3))
-    table = requests([(0, 0, 300, 0, 1), (1, 0, 1500, 1, 1), (2, 0, 77, 2, 38)])
+    table = request_table([(0, 0, 300, 0, 1), (1, 0, 1500, 1, 1), (2, 0, 77, 2, 38)])
     try:
         _native.attention_isa(isa)
         out = attend(q, K, V, table, 0.09, 50)
@@ -185,7 +186,7 @@ def test_threads_split_long_requests_and_merge_them():
     any thread count gives the single-thread answer."""
     cache, K, V = cache_views("per_head", 6, 3, 64, [4000, 1300], torch.float32)
     q = torch.randn(201, 6, 64, generator=torch.Generator().manual_seed(4))
-    table = requests([(0, 0, 4000, 0, 1), (1, 0, 1300, 1, 200)])
+    table = request_table([(0, 0, 4000, 0, 1), (1, 0, 1300, 1, 200)])
     threads = torch.get_num_threads()
     outs = []
     try:
@@ -213,7 +214,7 @@ def test_any_shape_and_lengths_equal_sdpa(data, group, dim, dtype, window):
         rows.append((slot, start, n, first, num_q))
         first += num_q
     q = torch.randn(max(first, 1), kv_heads * group, dim, generator=torch.Generator().manual_seed(5)).to(dtype)
-    table = requests(rows)
+    table = request_table(rows)
     out = attend(q, K, V, table, dim ** -0.5, window)
     assert close(out[:first], reference(q, K, V, table, dim ** -0.5, window)[:first], dtype)
 
@@ -226,18 +227,18 @@ def bad_inputs():
         ("K in bfloat16, q in float32", "k", K.to(torch.bfloat16), "one dtype"),
         ("a last dimension that is not contiguous", "k", torch.zeros(3, 64, 2, 128)[..., ::2], "not contiguous"),
         ("a query whose last dimension is strided", "q", torch.zeros(4, 4, 128)[:, :, ::2], "not contiguous"),
-        ("a length past the view", "table", requests([(0, 0, 65, 0, 1)]), "past the view's 64 rows"),
-        ("a negative length", "table", requests([(0, 0, -1, 0, 0)]), "negative"),
-        ("a negative start", "table", requests([(0, -3, 10, 0, 1)]), "negative"),
-        ("a start past the first query", "table", requests([(0, 10, 12, 0, 4)]), "start 10 is past"),
-        ("more queries than tokens", "table", requests([(0, 0, 2, 0, 3)]), "3 queries in 2 tokens"),
-        ("query rows past q", "table", requests([(0, 0, 10, 3, 2)]), "outside q's 4 tokens"),
-        ("a slot outside the view", "table", requests([(3, 0, 10, 0, 1)]), "slot 3 is outside"),
+        ("a length past the view", "table", request_table([(0, 0, 65, 0, 1)]), "past the view's 64 rows"),
+        ("a negative length", "table", request_table([(0, 0, -1, 0, 0)]), "negative"),
+        ("a negative start", "table", request_table([(0, -3, 10, 0, 1)]), "negative"),
+        ("a start past the first query", "table", request_table([(0, 10, 12, 0, 4)]), "start 10 is past"),
+        ("more queries than tokens", "table", request_table([(0, 0, 2, 0, 3)]), "3 queries in 2 tokens"),
+        ("query rows past q", "table", request_table([(0, 0, 10, 3, 2)]), "outside q's 4 tokens"),
+        ("a slot outside the view", "table", request_table([(3, 0, 10, 0, 1)]), "slot 3 is outside"),
         ("heads that do not divide", "q", torch.zeros(4, 3, 64), "3 query heads do not divide into 2"),
         ("mismatched head dims", "q", torch.zeros(4, 4, 32), "q has head_dim 32"),
         ("a head dim the kernel does not take", "kv", torch.zeros(3, 64, 2, 72), "head_dim 72: the kernel takes"),
         ("an output of another shape", "out", torch.zeros(3, 4, 64), "out is"),
-        ("a ragged request table", "table", requests([(0, 0, 10, 0, 1)])[:4], "5 int64 fields"),
+        ("a ragged request table", "table", request_table([(0, 0, 10, 0, 1)])[:4], "5 int64 fields"),
         ("a negative window", "window", -2, "negative"),
         ("a query on another device", "q", torch.zeros(4, 4, 64, device="meta"), "on meta"),
     ]
@@ -246,7 +247,7 @@ def bad_inputs():
 @pytest.mark.parametrize("what, name, value, message", bad_inputs(), ids=[b[0] for b in bad_inputs()])
 def test_bad_input_raises_and_writes_nothing(what, name, value, message):
     K, V = torch.randn(3, 64, 2, 64), torch.randn(3, 64, 2, 64)
-    args = dict(q=torch.randn(4, 4, 64), k=K, v=V, table=requests([(0, 0, 10, 0, 1), (2, 0, 64, 1, 3)]), scale=0.1,
+    args = dict(q=torch.randn(4, 4, 64), k=K, v=V, table=request_table([(0, 0, 10, 0, 1), (2, 0, 64, 1, 3)]), scale=0.1,
                 window=None, out=torch.full((4, 4, 64), 7.0))
     if name == "kv":
         args["k"] = args["v"] = value
@@ -267,7 +268,7 @@ STRICT = """
 import torch
 from vattn.backends import HostBackend
 HostBackend.zero_backing = False  # no zero page: one read past mapped memory faults
-from vattn.attention.native import attend, requests
+from vattn.binding import attend, request_table
 from vattn.config import CacheConfig
 from vattn.kv.virtual import VirtualKVCache
 for layout in ("per_head", "per_layer", "interleaved"):
@@ -277,10 +278,10 @@ for layout in ("per_head", "per_layer", "interleaved"):
     lengths = [1, 3000, 64, 65]
     for slot, n in enumerate(lengths):
         assert cache.allocate(n) == slot
-        cache.write(0, [slot], [0], torch.randn(1, n, 2, 64), torch.randn(1, n, 2, 64))
-    K, V = cache.layer_kv(0)
+        cache.data.write(0, [slot], [0], torch.randn(1, n, 2, 64), torch.randn(1, n, 2, 64))
+    K, V = cache.data.views(0)
     q = torch.randn(40, 8, 64)
-    out = attend(q, K, V, requests([(0, 0, 1, 0, 1), (1, 0, 3000, 1, 30), (2, 0, 64, 31, 1), (3, 60, 65, 32, 5)]),
+    out = attend(q, K, V, request_table([(0, 0, 1, 0, 1), (1, 0, 3000, 1, 30), (2, 0, 64, 31, 1), (3, 60, 65, 32, 5)]),
                  0.125, 16)
     assert torch.isfinite(out[:37]).all()
 print("OK")

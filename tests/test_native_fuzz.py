@@ -20,10 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vattn import _native
-from vattn.attention.native import attend, requests, view
+from vattn.binding import attend, request_table, view
 from vattn.backends import HostBackend, MapLimitError
-from vattn.engine import fused, gemm
-from vattn.engine.fused import matrix
+import vattn.binding as binding
+import vattn.executor.gemm as gemm
+from vattn.binding import rows as matrix
 
 EXTREMES = (0, -1, 1, 2**31 - 1, 2**31, 2**32, 2**63 - 1, -2**63)
 EXAMPLES = {"attend": 250, "ops": 80, "decoder": 40, "host": 100}  # each fuzz's examples, ops' for each op
@@ -146,7 +147,7 @@ def fuzz_attend(data):
     if valid and sum(hi - lo for r in table for _, lo, hi in rows_read(r, window)) > COST:
         CALLS["skipped: too long to run"] += 1
         return
-    flat = requests(table)
+    flat = request_table(table)
     if threads is None and kind != "hollow":
         ok, _ = call(attend, q, K, V, flat, 0.25, window, out, new_k, new_v)
     else:
@@ -211,7 +212,7 @@ def fuzz_rms_norm(data):
     residual = None if residual is None else torch.randn(residual, cols)
     written = [t for t in (x, residual) if t is not None]
     before = [t.clone() for t in written]
-    ok = ops_call(draw, lambda: fused.rms_norm(x, w, 1e-5, residual), _native.rms_norm,
+    ok = ops_call(draw, lambda: binding.rms_norm(x, w, 1e-5, residual), _native.rms_norm,
                   [("x", x), ("residual", residual), ("weight", w)], lambda a: (*a, 1e-5))
     valid = w.numel() == cols and (residual is None or residual.shape == x.shape)
     if settle(*ok, valid, written, before):
@@ -228,7 +229,7 @@ def fuzz_silu_mul(data):
     gate_up = torch.randn(rows, 2 * width + draw(st.sampled_from([0, 0, 1])))
     out = torch.full((rows + draw(st.sampled_from([0, 0, 1])), width), 7.0)
     before = [out.clone()]
-    ok = ops_call(draw, lambda: fused.silu_mul(gate_up, out), _native.silu_mul,
+    ok = ops_call(draw, lambda: binding.silu_mul(gate_up, out), _native.silu_mul,
                   [("out", out), ("gate_up", gate_up)], lambda a: a)
     if settle(*ok, gate_up.shape == (rows, 2 * width) and out.shape[0] == rows, [out], before):
         torch.testing.assert_close(out, F.silu(gate_up[:, :width]) * gate_up[:, width:], rtol=2e-6, atol=1e-6)
@@ -243,7 +244,7 @@ def fuzz_rotate(data):
     x = torch.randn(rows, heads * dim)
     cos, sin = (torch.randn(rows + draw(st.sampled_from([0, 0, 1])), dim) for _ in "cs")
     before = [x.clone()]
-    ok = ops_call(draw, lambda: fused.rotate(x, said, cos, sin), _native.rotate,
+    ok = ops_call(draw, lambda: binding.rotate(x, said, cos, sin), _native.rotate,
                   [("x", x), ("cos", cos), ("sin", sin)], lambda a: (a[0], said, a[1], a[2]))
     d = heads * dim // said if said >= 1 else 0
     valid = said >= 1 and heads * dim % said == 0 and d % 2 == 0 and d <= 256 and cos.shape == sin.shape == (rows, d)
@@ -265,7 +266,7 @@ def fuzz_linear(data):
     out = torch.full((rows + draw(st.sampled_from([0, 0, 1])), cols), 7.0)
     panels = gemm.pack(w)
     before = [out.clone()]
-    ok = ops_call(draw, lambda: _native.linear(matrix("out", out), matrix("x", x), *gemm.arguments(panels, bias),
+    ok = ops_call(draw, lambda: _native.linear(matrix("out", out), matrix("x", x), *binding.weight(panels, bias),
                                                torch.get_num_threads()),
                   _native.linear, [("out", out), ("x", x), ("panels", panels.view(-1, gemm.PANEL)), ("bias", bias)],
                   lambda a: a)
@@ -313,7 +314,7 @@ def fuzz_decoder(data):
     hollow_at = draw(st.none() | st.integers(0, len(step) - 1))
     if hollow_at is not None:
         step[hollow_at] = hollow(draw, step[hollow_at][0])
-    ok, _ = call(_native.decoder_layers, (layer,), *step, requests(table), array("q", sampled),
+    ok, _ = call(_native.decoder_layers, (layer,), *step, request_table(table), array("q", sampled),
                  draw(st.just(heads) | extreme(heads + 1)), draw(st.sampled_from([1, 2]) | extreme()))
     if ok:
         assert _native.linear_serves() and torch.isfinite(written[0][:len(sampled)]).all()
@@ -392,14 +393,15 @@ def known_cases():
     q, K = torch.randn(T, H, D), torch.randn(SLOTS, ROWS, HKV, D)
     out = torch.full_like(q, 7.0)
     for r in ([0, 0, 4, 2**63 - 1, 1], [0, 0, 4, 2**63 - 2, 2], [1, 2**63 - 1, 4, 0, 1], [0, 0, 2**63 - 1, 0, 1]):
-        assert not call(attend, q, K, K, requests([r]), 0.25, 0, out)[0] and torch.equal(out, torch.full_like(q, 7))
+        assert not call(attend, q, K, K, request_table([r]), 0.25, 0, out)[0]
+        assert torch.equal(out, torch.full_like(q, 7))
     # no queries over 2**63 - 1 K/V heads of no rows: nothing to run, and not a loop over the heads
     empty = (q.data_ptr(), 0, 0, 2**63 - 1, D, 0, 0, 1)
     assert call(_native.attend, empty, empty, (K.data_ptr(), 0, 1, 0, 2**63 - 1, D, 0, 0, 0, 1),
-                (K.data_ptr(), 0, 1, 0, 2**63 - 1, D, 0, 0, 0, 1), requests([[0, 0, 0, 0, 0]]), 0.25, 0, 1)[0]
+                (K.data_ptr(), 0, 1, 0, 2**63 - 1, D, 0, 0, 0, 1), request_table([[0, 0, 0, 0, 0]]), 0.25, 0, 1)[0]
     # sizes and strides that span more than an address holds
     assert not call(_native.attend, (q.data_ptr(), 0, T, H, D, 2**62, D, 1), view("out", out, 3), view("k", K, 4),
-                    view("k", K, 4), requests([]), 0.25, 0, 1)[0]
+                    view("k", K, 4), request_table([]), 0.25, 0, 1)[0]
     assert not call(_native.silu_mul, (q.data_ptr(), 2, 8, 2**62), matrix("gate_up", torch.randn(2, 16)), 1)[0]
     page = _native.os_page_size()
     res, file = _native.Reservation(4 * page, True), _native.PhysicalFile(2 * page)

@@ -1,7 +1,7 @@
 """The paged baseline: block tables, gathers, and sharing by reference counts."""
 import torch
 
-from conftest import fill, make_cache
+from conftest import fill, make_cache, live
 
 
 def test_tokens_land_in_the_blocks_the_table_names():
@@ -23,10 +23,10 @@ def test_kernels_given_block_tables_find_each_token_in_the_layers_blocks():
     cache = make_cache("paged", block_size=16)
     a, b = cache.allocate(40), cache.allocate(20)
     data = {a: fill(cache, a, 40), b: fill(cache, b, 20, seed=1)}
-    tables = cache.block_tables([b, a])
+    tables = cache.data.block_tables([b, a])
     zero = cache.storage.zero_block
     assert tables == [cache.block_table(b) + [zero], cache.block_table(a)]  # one width, padded with the zero block
-    K, V = cache.layer_blocks(1)
+    K, V = cache.data.views(1)
     assert K.shape == (cache.pool.num_pages + 1, 16, cache.config.num_kv_heads, cache.config.head_dim)
     for r, slot in enumerate([b, a]):
         for t in (0, 15, 16, len(data[slot][1][0]) - 1):
@@ -44,12 +44,12 @@ def test_a_steps_write_rows_are_built_once_for_every_layer_and_again_when_a_tabl
     k = torch.randn(2, 1, c.num_kv_heads, c.head_dim)
     built = []
     for layer in range(c.num_layers):
-        cache.write(layer, [a, b], [16, 2], k, -k)
+        cache.data.write(layer, [a, b], [16, 2], k, -k)
         built.append(cache.storage._write_rows([a, b], [cache.block_table(a), cache.block_table(b)], [16, 2], 1))
     assert built[0] is built[1]  # one index for the step's layers
     assert built[0].tolist() == [cache.block_table(a)[1] * 16, cache.block_table(b)[0] * 16 + 2]
     assert cache.grow(b, 40)  # a table changes: the next write builds its rows again
-    cache.write(0, [a, b], [16, 2], k, -k)
+    cache.data.write(0, [a, b], [16, 2], k, -k)
     assert cache.storage._write_rows([a, b], [cache.block_table(a), cache.block_table(b)], [16, 2], 1) \
         is not built[0]
     for slot, pos, want in ((a, 16, k[0, 0]), (b, 2, k[1, 0])):
@@ -62,11 +62,11 @@ def test_gather_reads_live_rows_and_zeros_past_a_table():
     a, b = cache.allocate(10), cache.allocate(3)
     ka = fill(cache, a, 10)[0][0]
     kb = fill(cache, b, 3, seed=2)[0][0]
-    K, _ = cache.rows_kv(0, a, b + 1, 10)
+    K, _ = cache.data.rows(0, a, b + 1, 10)
     assert K.shape == (2, 10, 3, 8)
     assert torch.equal(K[0], ka) and torch.equal(K[1, :3], kb)
     assert not K[1, 4:].any()  # b has one block: past it, the zero block
-    again, _ = cache.rows_kv(0, a, b + 1, 10)
+    again, _ = cache.data.rows(0, a, b + 1, 10)
     assert again.data_ptr() == K.data_ptr()  # one reused buffer
 
 
@@ -79,10 +79,10 @@ def test_forks_share_blocks_and_copy_the_tail():
     assert cache.block_table(b)[2] != cache.block_table(a)[2]  # the tail block copied
     assert cache.pool.num_shared == 2
     for layer in range(2):
-        assert torch.equal(cache.live_kv(b, layer)[0], data[layer][0])
+        assert torch.equal(live(cache, b, layer)[0], data[layer][0])
     assert cache.grow(b, 41)
-    cache.write(0, [b], [40], *(torch.ones(1, 1, 3, 8),) * 2)  # the private tail takes it
-    assert cache.length(a, 0) == 40 and torch.equal(cache.live_kv(a, 0)[0], data[0][0])
+    cache.data.write(0, [b], [40], *(torch.ones(1, 1, 3, 8),) * 2)  # the private tail takes it
+    assert cache.length(a, 0) == 40 and torch.equal(live(cache, a, 0)[0], data[0][0])
     cache.free(a)
     cache.free(b)
     cache.check()
@@ -96,6 +96,6 @@ def test_swap_round_trip_and_trim():
     assert cache.stats().pages_mapped == 0
     back = cache.swap_in(swapped)
     for layer in range(2):
-        assert torch.equal(cache.live_kv(back, layer)[1], data[layer][1])
+        assert torch.equal(live(cache, back, layer)[1], data[layer][1])
     cache.free(back)
     assert cache.trim() == 7 and cache.stats().pages_free == cache.stats().pages_total

@@ -1,4 +1,4 @@
-"""Tensor parallelism (`vattn.engine.parallel`): ranks in their own processes
+"""Tensor parallelism (`vattn.distributed`): ranks in their own processes
 over gloo, each with a shard of the model from transformers' own plan and a
 cache of its own KV heads, kept in lockstep by rank 0's replayed cache calls.
 Outputs equal the single-process engine's and HF generate()'s; every rank's
@@ -17,7 +17,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from vattn import LLM, SamplingParams
 from vattn.bench.soak import FailingProcessor
-from vattn.engine.parallel import RankFailed
+from vattn.distributed.group import RankFailed
 
 WIDE = dict(SMALL, num_attention_heads=4, num_key_value_heads=4)  # 4 KV heads: 2 a rank at TP 2
 SETTINGS = dict(page_size=4096, max_num_seqs=4, max_num_batched_tokens=32, max_seq_len=160)
@@ -68,7 +68,7 @@ def served_by_two_ranks(path, reqs, **settings):
     one.engine.close()
     llm = LLM(str(path), tensor_parallel_size=2, **settings)
     try:
-        assert llm.engine.cache.config.num_kv_heads == 2  # this rank's half
+        assert llm.engine.kv.cache.config.num_kv_heads == 2  # this rank's half
         outputs = generate(llm, reqs)
         books = llm.engine.rank_books()
         stats = llm.engine.stats
@@ -129,7 +129,7 @@ def test_three_ranks_serve_smollm2_as_one_does():
     reference = [hf_greedy(model, p, 12, ignore_eos=True) for p in chats]
     llm = LLM(tensor_parallel_size=3, max_num_seqs=4, max_seq_len=256)
     try:
-        config = llm.engine.cache.config
+        config = llm.engine.kv.cache.config
         assert (config.num_kv_heads, config.num_layers) == (1, 30)  # SmolLM2's 3 KV heads, one a rank
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
         assert [o.outputs[0].token_ids for o in llm.generate(chats, params, use_tqdm=False)] == reference

@@ -114,7 +114,7 @@ def test_an_error_gives_back_the_pages_and_prefix_hashes_the_request_held(model)
     engine.add_request(prompt, SamplingParams(max_tokens=8, logits_processors=[FailingProcessor(at=1)]))
     (out,) = [o for o in engine.stream() if o.finished]
     assert out.error is not None
-    stats = engine.cache.stats()
+    stats = engine.kv.cache.stats()
     assert stats.pages_mapped == 0 and stats.active_slots == 0  # nothing kept idle for a prefix hit
     engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0))
     list(engine.stream())

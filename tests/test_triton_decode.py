@@ -11,9 +11,9 @@ import torch
 from test_native_attention import close, reference
 from test_zero_fill import HostWithoutZeroPage
 
-from vattn.attention import registry, sdpa
-from vattn.attention.native import requests
-from vattn.attention.metadata import StepBatch
+from vattn.attention.batch import StepBatch
+from vattn.attention.sdpa import SdpaStep
+from vattn.binding import request_table
 from vattn.config import CacheConfig
 from vattn.kv.virtual import VirtualKVCache
 
@@ -34,7 +34,7 @@ def cache_with(lengths, layout, heads_kv, dim, dtype, seed=0, backend=None) -> V
         assert cache.allocate(n, slot=slot) == slot
         for layer in range(2):
             k, v = (torch.randn(1, n, heads_kv, dim, generator=g).to(dtype) for _ in "kv")
-            cache.write(layer, [slot], [0], k, v)
+            cache.data.write(layer, [slot], [0], k, v)
     return cache
 
 
@@ -58,8 +58,8 @@ def poisoned_copy(cache, lengths) -> tuple[torch.Tensor, torch.Tensor]:
 
 def sdpa_reference(q, cache, slots, lengths, scale, window=None) -> torch.Tensor:
     """SDPA in float32, token i over the first `lengths[i]` rows of layer 1 of slot `slots[i]`."""
-    K, V = cache.layer_kv(1)
-    table = requests((slot, 0, n, i, 1) for i, (slot, n) in enumerate(zip(slots, lengths)))
+    K, V = cache.data.views(1)
+    table = request_table((slot, 0, n, i, 1) for i, (slot, n) in enumerate(zip(slots, lengths)))
     return reference(q, K, V, table, scale, window)
 
 
@@ -93,20 +93,20 @@ def test_sliding_windows_equal_sdpa(window):
 def test_sdpa_over_a_cache_without_a_zero_page_decodes_request_by_request_and_counts_it():
     """Where the shorter slots map no row as far as the longest request reads,
     one batched SDPA call would fault: SDPA takes one call per request over its
-    own rows, and the batch counts the fallback (the Triton kernel's reason)."""
+    own rows, and the step counts the fallback (the Triton kernel's reason)."""
     lengths = [40, 300, 1, 129]
     cache = cache_with(lengths, "interleaved", 3, 64, torch.float32, backend=HostWithoutZeroPage())
-    assert not cache.storage.zero_backed and not cache.readable(0, 4, 300)
+    assert not cache.storage.zero_backed and not cache.data.readable(0, 4, 300)
     g = torch.Generator().manual_seed(3)
     q = torch.randn(4, 9, 64, generator=g)
-    b = StepBatch(cache, [0, 1, 2, 3], [n - 1 for n in lengths], [], registry.KERNELS["sdpa"])
-    out = sdpa.decode(b, 1, q, 0.125, None)
-    assert b.per_request_decodes == 1
+    b = StepBatch([0, 1, 2, 3], [n - 1 for n in lengths], [])
+    step = SdpaStep(b, cache.data)
+    out = step.decode(1, q, 0.125, None)
+    assert step.per_request_decodes == 1
     assert close(out, sdpa_reference(q, cache, [0, 1, 2, 3], lengths, 0.125), torch.float32)
-    zero_backed = cache_with(lengths, "interleaved", 3, 64, torch.float32)
-    b = StepBatch(zero_backed, [0, 1, 2, 3], [n - 1 for n in lengths], [], registry.KERNELS["sdpa"])
-    assert close(sdpa.decode(b, 1, q, 0.125, None), out, torch.float32)
-    assert b.per_request_decodes == 0  # one call over the zero-backed range
+    zero_backed = SdpaStep(b, cache_with(lengths, "interleaved", 3, 64, torch.float32).data)
+    assert close(zero_backed.decode(1, q, 0.125, None), out, torch.float32)
+    assert zero_backed.per_request_decodes == 0  # one call over the zero-backed range
 
 
 def test_inputs_that_do_not_fit_are_refused_before_anything_runs():

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import fill
+from conftest import fill, live
 from test_engine import engine_for, greedy, prompts, run
 from tiny_models import tiny_model
 
@@ -41,14 +41,14 @@ def test_the_zero_page_goes_where_the_range_has_no_page_and_makes_it_readable(la
         fill(cache, slot, n, seed=slot)
     cache.free(3)  # idle: its pages stay mapped
     need = cache.config.pages_for(200)
-    assert not cache.readable(0, 4, 200)
-    assert cache.zero_fill(0, 4, 200)
-    assert cache._zero_filled == {(i, j) for i in range(4) for j in range(cache.mapped_pages(i), need)}
-    assert cache.readable(0, 4, 200) and cache.readable(1, 3, 100)
-    assert not cache.readable(0, 4, cache.config.tokens_in(need) + 1)  # a page further
-    K, V = cache.rows_kv(1, 0, 4, 200)  # reading every row faults nowhere
+    assert not cache.data.readable(0, 4, 200)
+    assert cache.data.readable(0, 4, 200, fill=True)
+    assert cache.table.zero_filled == {(i, j) for i in range(4) for j in range(cache.mapped_pages(i), need)}
+    assert cache.data.readable(0, 4, 200) and cache.data.readable(1, 3, 100)
+    assert not cache.data.readable(0, 4, cache.config.tokens_in(need) + 1)  # a page further
+    K, V = cache.data.rows(1, 0, 4, 200)  # reading every row faults nowhere
     assert float(K[0, cache.config.tokens_in(1):].abs().sum()) == 0 and float(V[2].abs().sum()) == 0
-    assert cache.zero_fill(0, 4, 200)  # again: nothing more to map
+    assert cache.data.readable(0, 4, 200, fill=True)  # again: nothing more to map
     cache.check()
 
 
@@ -58,21 +58,21 @@ def test_a_range_that_does_not_fit_is_refused_and_nothing_is_filled():
     for lo, hi, length, why in ((0, 5, 10, "slot 4 does not exist"), (2, 2, 10, "slots 2..1 are no range"),
                                 (0, 2, 401, "max_seq_len=400")):
         with pytest.raises(ValueError, match=why):
-            cache.zero_fill(lo, hi, length)
-    assert not cache._zero_filled and not cache.readable(0, 2, 100)
+            cache.data.readable(lo, hi, length, fill=True)
+    assert not cache.table.zero_filled and not cache.data.readable(0, 2, 100)
 
 
 def test_readable_lasts_until_the_cache_next_maps_or_unmaps():
     cache = cache_without_zero_page()
     for slot, n in ((0, 10), (1, 200)):
         cache.allocate(n, slot=slot)
-    assert cache.zero_fill(0, 2, 200) and cache.readable(0, 2, 200)
+    assert cache.data.readable(0, 2, 200, fill=True) and cache.data.readable(0, 2, 200)
     cache.grow(1, 250)  # maps: the worker may have taken a page the range counted on
-    assert not cache.readable(0, 2, 200)
-    assert cache.zero_fill(0, 2, 200) and cache.readable(0, 2, 200)
+    assert not cache.data.readable(0, 2, 200)
+    assert cache.data.readable(0, 2, 200, fill=True) and cache.data.readable(0, 2, 200)
     cache.free(1)
     cache.trim()  # unmaps
-    assert not cache.readable(0, 2, 200)
+    assert not cache.data.readable(0, 2, 200)
 
 
 def test_a_page_grown_into_the_zero_page_takes_its_place_and_holds_what_is_written():
@@ -80,16 +80,16 @@ def test_a_page_grown_into_the_zero_page_takes_its_place_and_holds_what_is_writt
     cache.allocate(10, slot=0)
     fill(cache, 0, 10)
     cache.allocate(300, slot=1)
-    assert cache.zero_fill(0, 2, 300)
-    filled_before = set(cache._zero_filled)
+    assert cache.data.readable(0, 2, 300, fill=True)
+    filled_before = set(cache.table.zero_filled)
     assert cache.grow(0, 3 * TOKENS_PER_PAGE)
     grown = {(0, j) for j in range(1, 3)}
-    assert grown <= filled_before and cache._zero_filled == filled_before - grown
+    assert grown <= filled_before and cache.table.zero_filled == filled_before - grown
     written = fill(cache, 0, 3 * TOKENS_PER_PAGE - 10, start=10, seed=5)
     for layer, (k, v) in enumerate(written):
-        K, V = cache.live_kv(0, layer)
+        K, V = live(cache, 0, layer)
         assert torch.equal(K[10:], k) and torch.equal(V[10:], v)
-    K, _ = cache.rows_kv(0, 0, 1, 300)  # the pages still filled read zeros: the shared page took no write
+    K, _ = cache.data.rows(0, 0, 1, 300)  # the pages still filled read zeros: the shared page took no write
     assert float(K[0, 3 * TOKENS_PER_PAGE:].abs().sum()) == 0
     cache.check()
 
@@ -98,11 +98,11 @@ def test_a_write_past_the_mapped_pages_is_refused_before_it_reaches_the_zero_pag
     cache = cache_without_zero_page()
     cache.allocate(2 * TOKENS_PER_PAGE, slot=0)
     fill(cache, 0, 40)
-    assert cache.zero_fill(0, 1, 300)
-    del cache._slots[0].pages[1:]  # pages the slot is sized for but lost: the write path must notice
+    assert cache.data.readable(0, 1, 300, fill=True)
+    del cache.table.slots[0].pages[1:]  # pages the slot is sized for but lost: the write path must notice
     k = torch.ones(1, 10, 3, 8)
     with pytest.raises(ValueError, match="slot 0 maps 1 pages; writing 10 tokens at 40 needs 2"):
-        cache.write(0, [0], [40], k, k)
+        cache.data.write(0, [0], [40], k, k)
     assert cache.length(0, 0) == 40  # nothing recorded
 
 
@@ -115,8 +115,8 @@ def test_the_zero_page_is_read_only_a_stray_write_faults():
         from test_zero_fill import cache_without_zero_page
         cache = cache_without_zero_page()
         cache.allocate(10, slot=0)
-        assert cache.zero_fill(0, 2, 300)
-        K, _ = cache.rows_kv(0, 0, 2, 300)
+        assert cache.data.readable(0, 2, 300, fill=True)
+        K, _ = cache.data.rows(0, 0, 2, 300)
         print(float(K[1, 100].sum()), flush=True)  # reads: zeros
         K[1, 100] = 1.0  # writes: SIGSEGV
         print("written", flush=True)
@@ -135,9 +135,9 @@ def test_the_engines_sdpa_decodes_in_one_batched_call_over_the_zero_page(monkeyp
         monkeypatch.setattr(virtual, "get_backend", lambda device: backend)  # the engine's cache is built on it
         engine = engine_for(model, attention="sdpa", map_ahead=map_ahead)
         outputs[backend.zero_backing] = run(engine, reqs)
-        assert engine.cache.storage.zero_backed == backend.zero_backing
+        assert engine.kv.cache.storage.zero_backed == backend.zero_backing
         assert engine.stats.per_request_decodes == 0  # every decode one batched call
-        assert bool(engine.cache._zero_filled) != backend.zero_backing
-        engine.cache.check()
+        assert bool(engine.kv.cache.table.zero_filled) != backend.zero_backing
+        engine.kv.cache.check()
         engine.close()
     assert outputs[False] == outputs[True]

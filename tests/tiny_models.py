@@ -25,7 +25,7 @@ def tiny_model(arch, attn, **config):
 
 
 def faulty_loader(path, fault, **shard):
-    """A tensor-parallel loader (`vattn.engine.parallel.load`) of the checkpoint
+    """A tensor-parallel loader (`vattn.executor.loader.load`) of the checkpoint
     at `path` whose rank 1 fails in its 6th layer call: `fault` "raise"
     raises there, "die" kills its process."""
     import os

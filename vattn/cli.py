@@ -46,15 +46,16 @@ def _distributed() -> str:
     """What `tensor_parallel_size` > 1 runs on here."""
     import torch.distributed as dist
 
-    from vattn.engine import parallel
+    from vattn.distributed import ranks
+    from vattn.distributed.group import backend
 
     if not dist.is_available():
         return "unavailable: torch was built without torch.distributed"
     backends = "gloo" + (", nccl" if dist.is_nccl_available() else "")
-    where = parallel.device_type()
-    launch = ("torchrun (RANK, WORLD_SIZE set): every process one rank" if parallel.launched_by_torchrun()
+    where = ranks.device_type()
+    launch = ("torchrun (RANK, WORLD_SIZE set): every process one rank" if ranks.launched_by_torchrun()
               else "ranks spawned on this machine, or torchrun across machines")
-    return f"torch.distributed ({backends}): ranks on {where} over {parallel.backend(where)}; {launch}"
+    return f"torch.distributed ({backends}): ranks on {where} over {backend(where)}; {launch}"
 
 
 def _size(nbytes: int) -> str:
@@ -73,68 +74,84 @@ def demo(args) -> None:
     demo.run(args.num_prompts, args.max_tokens, args.show, args.json, args.tensor_parallel_size)
 
 
-def bench(args) -> None:
-    if args.what == "vmm":
-        from vattn.bench import vmm
+def bench_vmm(args) -> None:
+    from vattn.bench import vmm
 
-        vmm.run(args.json, repeats=args.repeats, steps=args.steps, device=args.device)
-    elif args.what == "hf":
-        from vattn.bench import hf
+    vmm.run(args.json, repeats=args.repeats, steps=args.steps, device=args.device)
 
-        hf.run(args.json, batches=args.batches or [1, 8], new_tokens=args.new_tokens, attn=args.attn)
-    elif args.what == "engine":
-        from vattn.bench import engine
 
-        seqs, tokens = (_one(args, name) for name in ("max_num_seqs", "max_num_batched_tokens"))
-        engine.run(args.json, num_prompts=args.num_prompts or 64, max_tokens=args.max_tokens or 64,
-                   max_num_seqs=seqs, max_num_batched_tokens=tokens, device=args.device, rounds=args.rounds,
-                   attention=args.attention, tensor_parallel_size=args.tensor_parallel_size)
-    elif args.what == "sweep":
-        from vattn.bench import sweep
-        from vattn.engine import EngineConfig
+def bench_hf(args) -> None:
+    from vattn.bench import hf
 
-        limits = {"max_num_seqs": args.max_num_seqs or [16, 32, 64, 128],
-                  "max_num_batched_tokens": args.max_num_batched_tokens or [256, 512, 1024],
-                  "max_running_tokens": args.max_running_tokens or [EngineConfig().max_running_tokens]}
-        sweep.run(args.json, limits, workload=args.workload, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-                  rate=args.request_rate[0], rounds=args.rounds)
-    elif args.what == "soak":
-        from vattn.bench import soak
+    hf.run(args.json, batches=args.batches, new_tokens=args.new_tokens, attn=args.attn)
 
-        soak.run(args.json, num_requests=args.requests or 2000, chaos=args.chaos)
-    elif args.what == "memory":
-        from vattn.bench import memory
 
-        memory.run(args.json, args.plot, args.traces, args.models, args.requests or 500, _bytes(args.budget),
-                   tuple(args.policies or memory.POLICIES))
-    elif args.what == "kernels":
-        from vattn.bench import kernels
+def bench_engine(args) -> None:
+    from vattn.bench import engine
 
-        kernels.run(args.json, args.plot, batches=args.batches or [1, 8, 32], contexts=args.contexts,
-                    dtypes=args.dtypes, repeats=args.repeats, device=args.device)
-    elif args.what == "linears":
-        from vattn.bench import linears
+    seqs, tokens = (_one(args, name) for name in ("max_num_seqs", "max_num_batched_tokens"))
+    engine.run(args.json, num_prompts=args.num_prompts, max_tokens=args.max_tokens, max_num_seqs=seqs,
+               max_num_batched_tokens=tokens, device=args.device, rounds=args.rounds, attention=args.attention,
+               tensor_parallel_size=args.tensor_parallel_size)
 
-        linears.run(args.json, rows=args.rows, repeats=args.repeats)
-    elif args.what == "gpu":
-        from vattn.bench import gpu
 
-        sys.exit(gpu.run(args.json, num_prompts=args.num_prompts or 64, max_tokens=args.max_tokens or 64))
-    elif args.what == "e2e":
-        from vattn.bench import e2e
+def bench_sweep(args) -> None:
+    from vattn.bench import sweep
+    from vattn.engine.config import EngineConfig
 
-        sizes = e2e.QUICK if args.quick else {}
-        e2e.run(args.json, args.plot, workload=args.workload, num_prompts=args.num_prompts or sizes.get("num_prompts"),
-                max_tokens=args.max_tokens or sizes.get("max_tokens"), rates=args.request_rate,
-                burstiness=args.burstiness, rounds=args.rounds, systems=args.systems, kv_budget=_bytes(args.kv_budget),
-                log_dir=args.log_dir)
+    limits = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+              "max_running_tokens": args.max_running_tokens or [EngineConfig().max_running_tokens]}
+    sweep.run(args.json, limits, workload=args.workload, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+              rate=args.request_rate, rounds=args.rounds)
+
+
+def bench_soak(args) -> None:
+    from vattn.bench import soak
+
+    soak.run(args.json, num_requests=args.requests, chaos=args.chaos)
+
+
+def bench_memory(args) -> None:
+    from vattn.bench import memory
+
+    memory.run(args.json, args.plot, args.traces, args.models, args.requests, _bytes(args.budget),
+               tuple(args.policies or memory.POLICIES))
+
+
+def bench_kernels(args) -> None:
+    from vattn.bench import kernels
+
+    kernels.run(args.json, args.plot, batches=args.batches, contexts=args.contexts, dtypes=args.dtypes,
+                repeats=args.repeats, device=args.device)
+
+
+def bench_linears(args) -> None:
+    from vattn.bench import linears
+
+    linears.run(args.json, rows=args.rows, repeats=args.repeats)
+
+
+def bench_gpu(args) -> None:
+    from vattn.bench import gpu
+
+    sys.exit(gpu.run(args.json, num_prompts=args.num_prompts, max_tokens=args.max_tokens))
+
+
+def bench_e2e(args) -> None:
+    from vattn.bench import e2e
+
+    sizes = e2e.QUICK if args.quick else {}
+    e2e.run(args.json, args.plot, workload=args.workload, num_prompts=args.num_prompts or sizes.get("num_prompts"),
+            max_tokens=args.max_tokens or sizes.get("max_tokens"), rates=args.request_rate,
+            burstiness=args.burstiness, rounds=args.rounds, systems=args.systems, kv_budget=_bytes(args.kv_budget),
+            log_dir=args.log_dir)
 
 
 def _one(args, name: str) -> int | None:
     """A setting given at most once (None: the engine's default)."""
     values = getattr(args, name)
     if values and len(values) > 1:
-        raise SystemExit(f"vattn bench {args.what}: --{name.replace('_', '-')} takes one value (several: bench sweep)")
+        raise SystemExit(f"vattn bench engine: --{name.replace('_', '-')} takes one value (several: bench sweep)")
     return values[0] if values else None
 
 
@@ -162,6 +179,122 @@ def _bytes(text: str | None) -> int | None:
 DEMO_PROMPTS, DEMO_MAX_TOKENS = 32, 48
 
 
+def add_bench_commands(bench: argparse.ArgumentParser) -> None:
+    """`vattn bench NAME`, each benchmark with its own options."""
+    names = bench.add_subparsers(dest="what", required=True, metavar="NAME")
+
+    def command(name: str, func, help: str, outputs: str = "json") -> argparse.ArgumentParser:
+        p = names.add_parser(name, help=help, description=help)
+        p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+        if outputs == "json+plot":
+            p.add_argument("--plot", metavar="DIR", help="also write PNG charts there")
+        p.set_defaults(func=func)
+        return p
+
+    def device(p, *choices):
+        p.add_argument("--device", choices=choices or ["cpu", "cuda"], default="cpu", help="where to run")
+
+    def repeats(p):
+        p.add_argument("--repeats", type=int, default=15, help="runs per measurement (median reported)")
+
+    def rounds(p):
+        p.add_argument("--rounds", type=int, default=3, help="rounds per figure (median reported)")
+
+    def workload(p):
+        from vattn.bench.e2e import WORKLOADS
+
+        p.add_argument("--workload", choices=list(WORKLOADS), default="sharegpt", help="first turns, or long chats")
+
+    p = command("vmm", bench_vmm, "map/unmap µs per page: batched vs single-page vs a raw C loop; mapping time a "
+                                  "decode step (--device cuda: the driver's VMM calls)")
+    repeats(p)
+    device(p)
+    p.add_argument("--steps", type=int, default=512, help="decode steps to time")
+
+    p = command("hf", bench_hf, "generate() throughput and KV bytes: VAttnCache vs DynamicCache vs StaticCache")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes")
+    p.add_argument("--new-tokens", type=int, nargs="+", default=[512, 2048], help="tokens to generate")
+    p.add_argument("--attn", choices=["sdpa", "vattn_sdpa", "vattn_native", "eager"], default="sdpa",
+                   help="attention implementation for every cache")
+
+    p = command("engine", bench_engine, "the demo's workload, larger, through the engine, with and without the "
+                                        "mapping worker")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests")
+    p.add_argument("--max-tokens", type=int, default=64, help="cap on each answer")
+    p.add_argument("--max-num-seqs", type=int, nargs="+", help="sequences at once (default: the engine's)")
+    p.add_argument("--max-num-batched-tokens", type=int, nargs="+", help="tokens a forward (default: the engine's)")
+    p.add_argument("--attention", choices=["native", "flash", "triton", "sdpa"],
+                   help="the attention kernel (default: the first that serves, vattn.attention.registry)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model's heads are split over")
+    device(p)
+    rounds(p)
+
+    p = command("sweep", bench_sweep, "bench e2e's workload through the engine at each set of batch limits")
+    p.add_argument("--max-num-seqs", type=int, nargs="+", default=[16, 32, 64, 128], help="values to try")
+    p.add_argument("--max-num-batched-tokens", type=int, nargs="+", default=[256, 512, 1024], help="values to try")
+    p.add_argument("--max-running-tokens", type=_tokens, nargs="+",
+                   help="values to try, none for no limit (default: the engine's)")
+    workload(p)
+    p.add_argument("--num-prompts", type=int, help="requests (default: the workload's)")
+    p.add_argument("--max-tokens", type=int, help="cap on each answer (default: the workload's)")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
+    rounds(p)
+
+    p = command("soak", bench_soak, "requests on a tiny model under preemption, each mode: outputs equal the "
+                                    "unpressured run's, each request comes back once, the pool ends whole")
+    p.add_argument("--requests", type=int, default=2000, help="requests per preemption mode")
+    p.add_argument("--chaos", action="store_true", help="poison 5%% of the requests (failing logits processors, "
+                                                        "aborts, invalid input)")
+
+    from vattn.bench.memory import MODELS, POLICIES, TRACES
+
+    p = command("memory", bench_memory, "replay real traffic through every KV policy, no model", "json+plot")
+    p.add_argument("--traces", nargs="+", choices=list(TRACES), default=list(TRACES), help="traces")
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="KV geometries")
+    p.add_argument("--requests", type=int, default=500, help="requests per trace")
+    p.add_argument("--budget", help="KV memory in bytes, e.g. 60GiB (default: per model, small enough that memory "
+                                    "bounds the batch)")
+    p.add_argument("--policies", nargs="+", choices=POLICIES, help="policies (default: all)")
+
+    p = command("kernels", bench_kernels, "decode / prefill attention over every KV layout, vattn's kernels vs "
+                                          "vLLM's, against the read-bandwidth floor", "json+plot")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32],
+                   help="batch sizes (the largest also with mixed lengths)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="context lengths")
+    p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"],
+                   help="dtypes")
+    repeats(p)
+    device(p)
+
+    p = command("linears", bench_linears, "one forward's GEMMs: vattn's own vs oneDNN vs F.linear vs vLLM's")
+    p.add_argument("--rows", type=int, nargs="+", help="GEMM rows (1 8 32 48 64 128 512)")
+    repeats(p)
+
+    from vattn.bench.e2e import SYSTEMS
+
+    p = command("e2e", bench_e2e, "vattn vs paged_16 vs vLLM's CPU engine vs transformers' serving paths, end to "
+                                  "end", "json+plot")
+    workload(p)
+    p.add_argument("--num-prompts", type=int, help="requests (sharegpt 48, long 32)")
+    p.add_argument("--max-tokens", type=int, help="cap on each answer (sharegpt 128, long 256)")
+    p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
+                   help="requests/s (inf: all at once); several make a sweep")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals (1: Poisson)")
+    rounds(p)
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS),
+                   help=f"systems to run (default: {' '.join(SYSTEMS)}; paged_N for other block sizes, "
+                        "vattn_compiled for the engine with compile=True)")
+    p.add_argument("--kv-budget", help="KV memory of every system in bytes, e.g. 2GiB (default: 32 sequences of "
+                                       "2,048 tokens)")
+    p.add_argument("--quick", action="store_true", help="a smaller run (12 requests, answers ≤ 32 tokens)")
+    p.add_argument("--log-dir", help="where the systems' logs go (default: a temporary folder)")
+
+    p = command("gpu", bench_gpu, "the GPU check (scripts/gpu_check.sh): CUDA tests, VMM latency, kernels, a short "
+                                  "engine run, a summary table")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests of the engine part")
+    p.add_argument("--max-tokens", type=int, default=64, help="cap on each answer")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vattn", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -181,60 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model's heads are split over")
     p.set_defaults(func=demo)
-    p = commands.add_parser("bench", help="benchmarks")
-    p.add_argument("what", choices=["vmm", "hf", "engine", "sweep", "soak", "memory", "kernels", "linears", "e2e",
-                                    "gpu"])
-    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
-    p.add_argument("--plot", metavar="DIR", help="memory, kernels, e2e: also write PNG charts there")
-    p.add_argument("--repeats", type=int, default=15, help="runs per measurement (median reported)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="vmm, kernels, engine: where to run")
-    p.add_argument("--steps", type=int, default=512, help="vmm: decode steps to time")
-    p.add_argument("--new-tokens", type=int, nargs="+", default=[512, 2048], help="hf: tokens to generate")
-    p.add_argument("--batches", type=int, nargs="+",
-                   help="hf, kernels: batch sizes (hf: 1 8; kernels: 1 8 32, the largest also with mixed lengths)")
-    p.add_argument("--rows", type=int, nargs="+", help="linears: GEMM rows (1 8 32 48 64 128 512)")
-    p.add_argument("--attn", choices=["sdpa", "vattn_sdpa", "vattn_native", "eager"], default="sdpa",
-                   help="hf: attention implementation for every cache")
-    p.add_argument("--num-prompts", type=int, help="engine (64), e2e (sharegpt 48, long 32): requests")
-    p.add_argument("--max-tokens", type=int, help="engine (64), e2e (sharegpt 128, long 256): cap on each answer")
-    p.add_argument("--max-num-seqs", type=int, nargs="+",
-                   help="engine: sequences at once (default: the engine's); sweep: values to try (16 32 64 128)")
-    p.add_argument("--max-num-batched-tokens", type=int, nargs="+",
-                   help="engine: tokens a forward (default: the engine's); sweep: values to try (256 512 1024)")
-    p.add_argument("--max-running-tokens", type=_tokens, nargs="+",
-                   help="sweep: values to try, none for no limit (default: the engine's)")
-    p.add_argument("--attention", choices=["native", "flash", "triton", "sdpa"],
-                   help="engine: the attention kernel (default: the first that serves, vattn.attention.registry)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="engine: ranks the model's heads are split over")
-    p.add_argument("--requests", type=int, help="soak: requests per preemption mode (2000); memory: per trace (500)")
-    p.add_argument("--chaos", action="store_true", help="soak: poison 5%% of the requests (failing logits "
-                   "processors, aborts, invalid input)")
-    from vattn.bench.memory import MODELS, POLICIES, TRACES
-
-    p.add_argument("--traces", nargs="+", choices=list(TRACES), default=list(TRACES), help="memory: traces")
-    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="memory: KV geometries")
-    p.add_argument("--budget", help="memory: KV memory in bytes, e.g. 60GiB (default: per model, small enough "
-                                    "that memory bounds the batch)")
-    p.add_argument("--policies", nargs="+", choices=POLICIES, help="memory: policies (default: all)")
-    p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="kernels: context lengths")
-    p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"],
-                   help="kernels: dtypes")
-    from vattn.bench.e2e import SYSTEMS, WORKLOADS
-
-    p.add_argument("--workload", choices=list(WORKLOADS), default="sharegpt",
-                   help="e2e, sweep: first turns, or long chats")
-    p.add_argument("--request-rate", type=float, nargs="+", default=[float("inf")],
-                   help="e2e: requests/s (inf: all at once), several make a sweep; sweep: the first")
-    p.add_argument("--burstiness", type=float, default=1.0, help="e2e: gamma shape of the arrivals (1: Poisson)")
-    p.add_argument("--rounds", type=int, default=3, help="e2e, engine, sweep: rounds per figure (median reported)")
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS),
-                   help=f"e2e: systems to run (default: {' '.join(SYSTEMS)}; paged_N for other block sizes, "
-                        "vattn_compiled for the engine with compile=True)")
-    p.add_argument("--kv-budget", help="e2e: KV memory of every system in bytes, e.g. 2GiB "
-                                        "(default: 32 sequences of 2,048 tokens)")
-    p.add_argument("--quick", action="store_true", help="e2e: a smaller run (12 requests, answers ≤ 32 tokens)")
-    p.add_argument("--log-dir", help="e2e: where the systems' logs go (default: a temporary folder)")
-    p.set_defaults(func=bench)
+    add_bench_commands(commands.add_parser("bench", help="benchmarks (vattn bench NAME --help: its options)"))
     args = parser.parse_args(argv)
     args.func(args)
     return 0

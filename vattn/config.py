@@ -69,9 +69,7 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.dtype must be a torch.dtype, got {self.dtype!r}")
         if self.layout is not None and self.layout not in LAYOUTS:
             raise ValueError(f"CacheConfig.layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if not (is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1):
-            raise ValueError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], "
-                             f"got {self.gpu_memory_utilization!r}")
+        check_utilization("CacheConfig", self.gpu_memory_utilization)
 
     @classmethod
     def from_model(cls, model, tensor_parallel_size: int = 1, **settings) -> "CacheConfig":
@@ -128,6 +126,11 @@ class CacheConfig:
         """Tokens wholly inside the first `pages` pages: what a prefix-cache
         hit of that many pages gives (prefix caching works in whole pages)."""
         return pages * self.page_size // self.token_bytes
+
+
+def check_utilization(owner: str, value) -> None:
+    if not (is_number(value) and 0 < value <= 1):
+        raise ValueError(f"{owner}.gpu_memory_utilization must be in (0, 1], got {value!r}")
 
 
 def resolve(config: CacheConfig, backend=None) -> CacheConfig:

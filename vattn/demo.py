@@ -24,11 +24,14 @@ def run(num_prompts: int, max_tokens: int, show: int, json_path: str | None = No
                             title=f"request {out.request_id}: {len(out.prompt_token_ids)} prompt tokens, "
                                   f"{len(out.outputs[0].token_ids)} generated ({out.outputs[0].finish_reason})",
                             title_align="left"))
-    ranks = f", {tensor_parallel_size} tensor-parallel ranks" if tensor_parallel_size > 1 else ""
-    print_table(f"vattn demo: {len(outputs)} ShareGPT prompts on SmolLM2-135M-Instruct{ranks}", ["", ""],
-                figure_rows(figures))
+    print_table(title(len(outputs), tensor_parallel_size), ["", ""], figure_rows(figures))
     write_json(json_path, figures)
     return figures
+
+
+def title(num_prompts: int, tensor_parallel_size: int) -> str:
+    ranks = f", {tensor_parallel_size} tensor-parallel ranks" if tensor_parallel_size > 1 else ""
+    return f"vattn demo: {num_prompts} ShareGPT prompts, SmolLM2-135M{ranks}"
 
 
 def _clip(text: str, n: int) -> str:

@@ -9,14 +9,17 @@ from contextlib import contextmanager
 
 import torch
 
-from vattn.engine import EngineConfig, LLMEngine, RequestOutput, parallel
+from vattn.distributed import ranks
+from vattn.engine.config import EngineConfig
+from vattn.engine.llm_engine import LLMEngine
+from vattn.engine.request import RequestOutput
 from vattn.sampling_params import SamplingParams
 
 
 class LLM:
     def __init__(self, model=None, tokenizer=None, **settings):
         """`model`: a transformers causal LM (with its `tokenizer`), a
-        checkpoint's name or directory, a loader (`vattn.engine.parallel.load`),
+        checkpoint's name or directory, a loader (`vattn.executor.loader.load`),
         or None for SmolLM2-135M-Instruct; `settings`: `EngineConfig` fields.
         With `tensor_parallel_size=N` > 1 the model is loaded in N ranks, this
         process rank 0 (it starts the others, or under `torchrun` joins them:
@@ -30,10 +33,10 @@ class LLM:
                 raise ValueError("tensor_parallel_size > 1 loads the model in every rank: pass its name, its "
                                  "directory or a loader, not a loaded model")
         else:
-            device_type = parallel.device_type() if size > 1 else "cpu"
-            parallel.check_settings(size, model, device_type)
-            group = parallel.launch(size, model, settings, device_type) if size > 1 else None
-            model, loaded_tokenizer = parallel.load_here(model, group)
+            device_type = ranks.device_type() if size > 1 else "cpu"
+            ranks.check_settings(size, model, device_type)
+            group = ranks.launch(size, model, settings, device_type) if size > 1 else None
+            model, loaded_tokenizer = ranks.load_here(model, group)
             tokenizer = tokenizer or loaded_tokenizer
         self.tokenizer = tokenizer
         try:

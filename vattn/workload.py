@@ -24,7 +24,7 @@ def serve(llm, prompts, params, progress: bool = True) -> tuple[list, dict]:
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=progress)
     seconds = time.perf_counter() - start
-    stats, cache = llm.engine.stats, llm.engine.cache
+    stats, kv = llm.engine.stats, llm.engine.kv
     step_ms = statistics.median(stats.step_seconds) * 1e3
     figures = latency_report(outputs, seconds) | {
         "kv_utilization": stats.kv_utilization,
@@ -34,10 +34,10 @@ def serve(llm, prompts, params, progress: bool = True) -> tuple[list, dict]:
         "background_map_ms_per_step": stats.background_map_seconds * 1e3 / stats.steps,
         "steps": stats.steps,
         "peak_pages": stats.peak_pages,
-        "pages_total": cache.stats().pages_total,
-        "page_size": cache.config.page_size,
-        "num_buffers": cache.config.num_buffers,
-        "layout": cache.config.layout,
+        "pages_total": kv.num_pages,
+        "page_size": kv.config.page_size,
+        "num_buffers": kv.config.num_buffers,
+        "layout": kv.config.layout,
         "preemptions": stats.preemptions,
         "prefix_hit_rate": stats.prefix_hit_rate,
         "attention": llm.engine.runner.kernel.name,
@@ -47,8 +47,8 @@ def serve(llm, prompts, params, progress: bool = True) -> tuple[list, dict]:
         "linear_bytes_held_twice": llm.engine.runner.linears.held_twice,
         "linear_bytes_paged_out": llm.engine.runner.linears.paged_out,
         "tensor_parallel_size": llm.engine.config.tensor_parallel_size,
-        "kv_bytes_per_rank": {"peak": stats.peak_pages * cache.config.page_bytes,
-                              "budget": cache.stats().pages_total * cache.config.page_bytes},
+        "kv_bytes_per_rank": {"peak": stats.peak_pages * kv.config.page_bytes,
+                              "budget": kv.num_pages * kv.config.page_bytes},
         "broadcast_ms_per_step": stats.broadcast_seconds * 1e3 / stats.steps,
     }
     return outputs, figures
@@ -67,17 +67,19 @@ def figure_rows(f: dict) -> list[list]:
         ["TPOT ms", lat("tpot_ms")],
         ["ITL ms", lat("itl_ms")],
         ["E2EL ms", lat("e2el_ms")],
-        ["KV utilization (live / mapped, time-averaged)", f"{f['kv_utilization']:.1%}"],
-        ["peak pages mapped", f"{f['peak_pages']} of {f['pages_total']} ({f['page_size'] >> 10} KiB in each of "
-                              f"{f['num_buffers']} buffers, {f['layout']})"],
+        ["KV utilization (live / mapped, over time)", f"{f['kv_utilization']:.1%}"],
+        ["peak pages mapped (of the budget)", f"{f['peak_pages']} of {f['pages_total']}"],
+        ["a page", f"{f['page_size'] >> 10} KiB × {f['num_buffers']} buffers, {f['layout']}"],
         ["preemptions", f["preemptions"]],
         ["prefix-cache hit rate", f"{f['prefix_hit_rate']:.1%}"],
-        ["attention kernel; layers decoded one call per request", f"{f['attention']}; {f['per_request_decodes']}"],
+        ["attention kernel", f"{f['attention']}"],
+        ["layers decoded a call per request", f"{f['per_request_decodes']}"],
         ["median step ms (all / decode only)", f"{f['step_ms_median']:.1f} / {f['decode_step_ms_median']:.1f}"],
-        ["mapping ms per step, on the critical path", f"{f['map_ms_per_step']:.3f}"],
-        ["served linears: GEMMs, weights MiB (held twice)",
+        ["mapping ms a step, on its critical path", f"{f['map_ms_per_step']:.3f}"],
+        ["served linears: GEMMs, MiB (held twice)",
          f"{f['linear_gemms']}, {f['linear_weight_bytes'] / 2**20:.0f} ({f['linear_bytes_held_twice'] / 2**20:.0f})"],
-        ["tensor-parallel ranks; KV MiB per rank (peak / budget); broadcast ms per step",
-         f"{f['tensor_parallel_size']}; {f['kv_bytes_per_rank']['peak'] / 2**20:.1f} / "
-         f"{f['kv_bytes_per_rank']['budget'] / 2**20:.1f}; {f['broadcast_ms_per_step']:.3f}"],
+        ["tensor-parallel ranks", f"{f['tensor_parallel_size']}"],
+        ["KV MiB a rank (peak / budget)",
+         f"{f['kv_bytes_per_rank']['peak'] / 2**20:.1f} / {f['kv_bytes_per_rank']['budget'] / 2**20:.1f}"],
+        ["broadcast ms a step", f"{f['broadcast_ms_per_step']:.3f}"],
     ]

@@ -2,45 +2,96 @@
 
 One forward holds several requests back to back (`StepBatch`).  Every layer
 writes its new K/V into the cache at each request's own positions and attends
-over that request's live tokens only, with the kernel the engine picked
-(`registry.pick`, by the device, dtype, cache kind and head dim, or by name):
-vattn's own CPU kernel (`native`) for a float32 or bfloat16 virtual cache on
-the host, FlashAttention (`flash`) on CUDA with flash-attn installed and a
-16-bit virtual cache, else torch SDPA (`sdpa`).
+over that request's live tokens only, through the cache's data plane
+(`vattn.kv.data`), with the kernel the engine picked (`registry.pick`, by the
+device, dtype, cache kind and head dim, or by name): vattn's own CPU kernel
+(`native`) for a float32 or bfloat16 virtual cache on the host,
+FlashAttention (`flash`) on CUDA with flash-attn installed and a 16-bit
+virtual cache, else torch SDPA (`sdpa`).
 
-`register()` makes `attention` available to transformers as
-`attn_implementation="vattn"`.  It attends for the `StepBatch` of the
-forward running inside `step(batch)`, through one torch operator,
+`prepare(batch, data, kernel)` readies a forward once (the kernel's per-step
+state); `attend(step, layer, ...)` then serves each layer, the step's writes
+checked at the first for every layer.  `register()` makes `attention` available to
+transformers as `attn_implementation="vattn"`: it attends for the step of the
+forward running inside `running(step)`, through one torch operator,
 `vattn::attention`, so that `torch.compile` traces a model around it without
-breaking its graph.  `attend(batch, layer, q, k, v, ...)` is that operator's
-work, for a forward that calls it directly (`vattn.engine.forward`).
+breaking its graph.
 """
 import threading
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
-from vattn.attention.flash import flash_attn_with_kvcache  # None without flash-attn; the kernel benchmarks call it
-from vattn.attention.metadata import StepBatch
-from vattn.attention.sdpa import decode, prefill
-
-__all__ = ["NAME", "StepBatch", "attend", "attention", "decode", "flash_attn_with_kvcache", "prefill", "register",
-           "step"]
+from vattn.attention.batch import StepBatch
+from vattn.attention.registry import Kernel
+from vattn.kv.data import CheckedWrite, KVData
 
 NAME = "vattn"
 
 
-_steps = threading.local()  # the StepBatch of the forward each thread runs
+@dataclass(slots=True)
+class AttentionStep:
+    """One forward's attention: what it holds, the cache it reads and writes, and the kernel's calls."""
+
+    batch: StepBatch
+    data: KVData
+    kernel: Kernel
+    calls: object  # the kernel's (`Kernel.prepare`)
+    _writes: list[CheckedWrite] | None = None
+
+    def writes(self) -> list[CheckedWrite]:
+        """The forward's writes (its decode tokens', then each prefill
+        chunk's), checked once for every layer, since each writes the same
+        positions: a ValueError where one may not go where it would."""
+        if self._writes is None:
+            b, data = self.batch, self.data
+            self._writes = ([data.check(b.decode_slots, b.decode_positions, 1)] if b.decode_slots else []) + [
+                data.check([slot], [start], n) for slot, start, n in b.chunks]
+        return self._writes
+
+
+def prepare(batch: StepBatch, data: KVData, kernel: Kernel) -> AttentionStep:
+    """`batch`'s attention over `data`, by `kernel`."""
+    return AttentionStep(batch, data, kernel, kernel.prepare(batch, data))
+
+
+def attend(step: AttentionStep, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+           window: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Layer `layer` of the forward: its K/V `[T, H_kv, D]` into the cache,
+    and `q [T, H, D]`'s attention, written into `out` (made where None) and
+    returned (`window` 0: none)."""
+    b = step.batch
+    if q.shape[0] != b.num_tokens:
+        raise ValueError(f"the forward has {q.shape[0]} tokens; its StepBatch describes {b.num_tokens}")
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out is {out.dtype} {tuple(out.shape)} on {out.device}; q is {q.dtype} "
+                         f"{tuple(q.shape)} on {q.device}")
+    d, writes = len(b.decode_slots), step.writes()
+    if not step.kernel.stores_kv:
+        parts = ([(slice(0, d), 1)] if d else []) + [(rows, 0) for _, _, rows in b.prefill_chunks()]
+        for write, (rows, axis) in zip(writes, parts):
+            step.data.store(layer, write, k[rows].unsqueeze(axis), v[rows].unsqueeze(axis))
+    step.calls.run(layer, q, k, v, scaling, window or None, out)
+    if step.kernel.stores_kv:
+        for write in writes:
+            step.data.record(write, range(layer, layer + 1))
+    return out
+
+
+_steps = threading.local()  # the AttentionStep of the forward each thread runs
 
 
 @contextmanager
-def step(batch: StepBatch):
-    """Attention inside this block serves `batch`."""
-    outer, _steps.batch = getattr(_steps, "batch", None), batch
+def running(step: AttentionStep):
+    """Attention inside this block serves `step`."""
+    outer, _steps.step = getattr(_steps, "step", None), step
     try:
         yield
     finally:
-        _steps.batch = outer
+        _steps.step = outer
 
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
@@ -54,28 +105,11 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
 def attend_step(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scaling: float,
                 window: int) -> torch.Tensor:
     """Write layer `layer`'s K/V of the step into the cache, and attend (`window` 0: none)."""
-    b = getattr(_steps, "batch", None)
-    if b is None:
+    step = getattr(_steps, "step", None)
+    if step is None:
         raise RuntimeError('attn_implementation="vattn" runs inside vattn.LLMEngine steps only')
-    return attend(b, layer, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), scaling,
+    return attend(step, layer, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), scaling,
                   window).unsqueeze(0)
-
-
-def attend(b: StepBatch, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
-           window: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Layer `layer` of the forward `b` describes: its K/V `[T, H_kv, D]` into
-    the cache, and `q [T, H, D]`'s attention, written into `out` (made where
-    None) and returned (`window` 0: none)."""
-    if q.shape[0] != b.num_tokens:
-        raise ValueError(f"the forward has {q.shape[0]} tokens; its StepBatch describes {b.num_tokens}")
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"out is {out.dtype} {tuple(out.shape)} on {out.device}; q is {q.dtype} "
-                         f"{tuple(q.shape)} on {q.device}")
-    b.write(layer, k, v, store=not b.kernel.stores_kv)
-    b.kernel.run(b, layer, q, k, v, scaling, window or None, out)
-    return out
 
 
 @attend_step.register_fake

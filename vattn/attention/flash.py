@@ -8,7 +8,8 @@ new tokens, so nothing unmapped.
 """
 import torch
 
-from vattn.attention.metadata import StepBatch
+from vattn.attention.batch import StepBatch
+from vattn.kv.data import KVData
 
 try:
     from flash_attn import flash_attn_with_kvcache
@@ -31,27 +32,34 @@ def serves_head_dim(head_dim: int) -> bool:
     return head_dim % 8 == 0 and 0 < head_dim <= MAX_HEAD_DIM
 
 
-def run(b: StepBatch, layer: int, q, k, v, scaling, window, out) -> None:
-    """`q`, `out [T, H, D]`, `k`, `v [T, H_kv, D]` of the whole forward; the
-    kernel appends `k`/`v` at each request's position."""
-    paged = b.cache.kind == "paged"
-    K, V = b.cache.layer_blocks(layer) if paged else b.cache.layer_kv(layer)
-    d = len(b.decode_slots)
-    if d:
-        out[:d] = _append_and_attend(K, V, q[:d, None], k[:d, None], v[:d, None], _where(b, "decode", b.decode_slots),
-                                     b.tensor("seqlens", b.decode_positions), scaling, window)[:, 0]
-    for slot, start, rows in b.prefill_chunks():
-        out[rows] = _append_and_attend(K, V, q[None, rows], k[None, rows], v[None, rows],
-                                       _where(b, f"slot{slot}", [slot]), b.tensor(f"start{slot}", [start]),
-                                       scaling, window)[0]
+class FlashStep:
+    """A forward's calls, with the index tensors they share across layers."""
+
+    def __init__(self, batch: StepBatch, data: KVData):
+        self.batch, self.data = batch, data
+        device = data.device
+        where = (lambda slots: {"block_table": _ints(data.block_tables(slots), device)}) if data.kind == "paged" \
+            else (lambda slots: {"cache_batch_idx": _ints(slots, device)})
+        self._decode = (where(batch.decode_slots), _ints(batch.decode_positions, device)) if batch.decode_slots \
+            else None
+        self._chunks = [(where([slot]), _ints([start], device)) for slot, start, _ in batch.chunks]
+
+    def run(self, layer: int, q, k, v, scaling, window, out) -> None:
+        """`q`, `out [T, H, D]`, `k`, `v [T, H_kv, D]` of the whole forward; the
+        kernel appends `k`/`v` at each request's position."""
+        K, V = self.data.views(layer)
+        d = len(self.batch.decode_slots)
+        if d:
+            where, positions = self._decode
+            out[:d] = _append_and_attend(K, V, q[:d, None], k[:d, None], v[:d, None], where, positions, scaling,
+                                         window)[:, 0]
+        for (_, _, rows), (where, start) in zip(self.batch.prefill_chunks(), self._chunks):
+            out[rows] = _append_and_attend(K, V, q[None, rows], k[None, rows], v[None, rows], where, start, scaling,
+                                           window)[0]
 
 
-def _where(b: StepBatch, name: str, slots: list[int]) -> dict[str, torch.Tensor]:
-    """How the kernel finds the slots' K/V: their block tables in a paged
-    cache, their batch rows in the virtual cache's views; made once a step."""
-    if b.cache.kind == "paged":
-        return {"block_table": b.tensor(f"tables {name}", lambda: b.cache.block_tables(slots))}
-    return {"cache_batch_idx": b.tensor(name, slots)}
+def _ints(values, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
 
 
 def _append_and_attend(K, V, q, k, v, where, positions, scaling, window) -> torch.Tensor:

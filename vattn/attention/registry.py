@@ -14,13 +14,17 @@ from functools import cache
 
 import torch
 
-from vattn.attention import flash, native, sdpa, triton_decode
+import vattn.attention.flash as flash
+import vattn.attention.native as native
+import vattn.attention.sdpa as sdpa
+import vattn.attention.triton_decode as triton_decode
+import vattn.binding as binding
 
 
 @dataclass(frozen=True, slots=True)
 class Kernel:
     name: str
-    run: Callable[..., None]  # (batch, layer, q, k, v, scaling, window, out): the attention into out [T, H, D]
+    prepare: Callable  # (batch, data) -> the forward's calls: `.run(layer, q, k, v, scaling, window, out)`
     stores_kv: bool  # it appends the step's K/V itself: the cache only checks and records the write
     device_types: tuple[str, ...]
     dtypes: tuple[torch.dtype, ...] | None  # None: any
@@ -52,19 +56,19 @@ class Kernel:
 
 
 KERNELS = {k.name: k for k in (
-    Kernel("native", native.run, stores_kv=True, device_types=("cpu",), dtypes=tuple(native.DTYPES),
+    Kernel("native", native.NativeStep, stores_kv=True, device_types=("cpu",), dtypes=tuple(binding.DTYPES),
            cache_kinds=("virtual",), head_dims=native.serves_head_dim,
            head_dims_text=f", head_dim a multiple of 16 up to {native.MAX_HEAD_DIM}"),
-    Kernel("flash", flash.run, stores_kv=True, device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16),
+    Kernel("flash", flash.FlashStep, stores_kv=True, device_types=("cuda",), dtypes=(torch.float16, torch.bfloat16),
            cache_kinds=("virtual", "paged"), head_dims=flash.serves_head_dim,
            head_dims_text=f", head_dim a multiple of 8 up to {flash.MAX_HEAD_DIM}", package="flash-attn",
            installed=flash.AVAILABLE, block_sizes=flash.serves_block_size,
            block_sizes_text=f" (paged: blocks a multiple of {flash.BLOCK_MULTIPLE} tokens)"),
-    Kernel("triton", triton_decode.run, stores_kv=False, device_types=("cuda",),
+    Kernel("triton", triton_decode.TritonStep, stores_kv=False, device_types=("cuda",),
            dtypes=(torch.float16, torch.bfloat16, torch.float32), cache_kinds=("virtual",),
            head_dims=triton_decode.serves_head_dim, head_dims_text=f", head_dim up to {triton_decode.MAX_HEAD_DIM}",
            package="triton", installed=triton_decode.AVAILABLE),
-    Kernel("sdpa", sdpa.run, stores_kv=False, device_types=("cpu", "cuda"), dtypes=None,
+    Kernel("sdpa", sdpa.SdpaStep, stores_kv=False, device_types=("cpu", "cuda"), dtypes=None,
            cache_kinds=("virtual", "paged"), range_read=sdpa.range_read),
 )}
 

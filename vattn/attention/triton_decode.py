@@ -10,21 +10,19 @@ Prefill chunks go to SDPA, one call a chunk over the slot's own rows.
 With `TRITON_INTERPRET=1` set before triton is imported, the kernel runs on
 host tensors in Triton's interpreter (how the host tests check it).
 """
-from functools import cache
-from typing import TYPE_CHECKING
+import functools
 
 import torch
 
-from vattn.attention import sdpa
+from vattn.attention.batch import StepBatch
+from vattn.attention.sdpa import SdpaStep
+from vattn.kv.data import KVData
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # optional: CUDA only
     triton = None
-
-if TYPE_CHECKING:
-    from vattn.attention.metadata import StepBatch
 
 AVAILABLE = triton is not None
 MAX_HEAD_DIM = 256
@@ -35,15 +33,24 @@ def serves_head_dim(head_dim: int) -> bool:
     return 0 < head_dim <= MAX_HEAD_DIM
 
 
-def run(b: "StepBatch", layer: int, q, k, v, scaling, window, out) -> None:
-    """`q`, `out [T, H, D]` of the whole forward; `k`/`v` are already in the cache."""
-    d = len(b.decode_slots)
-    if d:
-        K, V = b.cache.layer_kv(layer)
-        lengths = b.tensor("lengths", lambda: [p + 1 for p in b.decode_positions])
-        decode(q[:d], K, V, b.tensor("slots", b.decode_slots), lengths, scaling, window, out[:d],
-               checked=True)  # the cache checked the slots and positions it wrote
-    sdpa.prefill_into(out, b, layer, q, scaling, window)
+class TritonStep:
+    """A forward's launches: the decode tokens' slots and lengths made once, every layer's."""
+
+    def __init__(self, batch: StepBatch, data: KVData):
+        self.data, self.prefills = data, SdpaStep(batch, data)
+        self.d = len(batch.decode_slots)
+        ints = functools.partial(torch.tensor, dtype=torch.int32, device=data.device)
+        self.slots = ints(batch.decode_slots)
+        self.lengths = ints([p + 1 for p in batch.decode_positions])
+
+    def run(self, layer: int, q, k, v, scaling, window, out) -> None:
+        """`q`, `out [T, H, D]` of the whole forward; `k`/`v` are already in the cache."""
+        d = self.d
+        if d:
+            K, V = self.data.views(layer)
+            decode(q[:d], K, V, self.slots, self.lengths, scaling, window, out[:d],
+                   checked=True)  # the cache checked the slots and positions it wrote
+        self.prefills.prefill_into(out, layer, q, scaling, window)
 
 
 def decode(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
@@ -87,7 +94,7 @@ def decode(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, slots: torch.Tenso
     return out
 
 
-@cache  # made at first use: importing vattn builds no kernel
+@functools.cache  # made at first use: importing vattn builds no kernel
 def _kernel():
     @triton.jit
     def decode_kernel(Q, K, V, Out, Slots, Lengths, scale, window,

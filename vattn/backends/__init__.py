@@ -3,7 +3,7 @@ import threading
 
 import torch
 
-from vattn._native import MapLimitError  # a backend can map no more pages (the process's mapping limit)
+from vattn.binding import MapLimitError  # a backend can map no more pages (the process's mapping limit)
 from vattn.backends.base import Backend
 from vattn.backends.cuda import CudaBackend, CudaUnavailable
 from vattn.backends.host import HostBackend

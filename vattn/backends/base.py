@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from vattn import _native
+import vattn.binding as binding
 
 _DLPACK_DEVICES = {"cpu": 1, "cuda": 2}  # kDLCPU, kDLCUDA
 
@@ -65,7 +65,7 @@ class Backend(ABC):
         elements of `dtype`) on this backend's device, built from a DLPack
         capsule that names the device: nothing is copied, torch's allocator is
         not involved, and the reservation lives as long as the tensor."""
-        capsule = _native.dlpack(reservation, reservation.addr, reservation.nbytes,
+        capsule = binding.dlpack(reservation, reservation.addr, reservation.nbytes,
                                  _DLPACK_DEVICES[self.device.type], self.device.index or 0)
         return torch.from_dlpack(capsule).view(dtype).as_strided(shape, strides, offset)
 

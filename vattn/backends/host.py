@@ -1,4 +1,4 @@
-"""Host backend: `mmap` reservations, a `memfd` as the physical pool (native C)."""
+"""Host backend: `mmap` reservations, a `memfd` as the physical pool (the C core, `vattn.binding`)."""
 import mmap
 import weakref
 from collections.abc import Sequence
@@ -7,13 +7,13 @@ from pathlib import Path
 
 import torch
 
-from vattn import _native
+import vattn.binding as binding
 from vattn.backends.base import Backend
 
 
 @dataclass(slots=True, frozen=True)
 class HostPool:
-    file: _native.PhysicalFile
+    file: binding.PhysicalFile
     num_pages: int
     page_size: int
 
@@ -25,38 +25,38 @@ class HostPool:
 class HostBackend(Backend):
     name = "host"
     device = torch.device("cpu")
-    granularity = _native.os_page_size()
+    granularity = binding.os_page_size()
     zero_backing = True
 
     def __init__(self):
-        self._zero_pages: dict[int, _native.PhysicalFile] = {}  # page size -> a file of one page, never written
+        self._zero_pages: dict[int, binding.PhysicalFile] = {}  # page size -> a file of one page, never written
 
-    def reserve(self, nbytes: int, zero_backed: bool = False) -> _native.Reservation:
-        return _native.Reservation(nbytes, zero_backed)
+    def reserve(self, nbytes: int, zero_backed: bool = False) -> binding.Reservation:
+        return binding.Reservation(nbytes, zero_backed)
 
     def create_pool(self, num_pages: int, page_size: int) -> HostPool:
         self.check_page_size(page_size)
         if num_pages <= 0:
             raise ValueError(f"a pool needs at least one page, got {num_pages}")
-        return HostPool(_native.PhysicalFile(num_pages * page_size), num_pages, page_size)
+        return HostPool(binding.PhysicalFile(num_pages * page_size), num_pages, page_size)
 
     def map(self, reservation, pool: HostPool, offsets: Sequence[int], pages: Sequence[int]) -> None:
         size = pool.page_size
-        _native.map_pages(reservation, pool.file, size, offsets, [p * size for p in pages])
+        binding.map_pages(reservation, pool.file, size, offsets, [p * size for p in pages])
 
     def map_zero(self, reservation, pool: HostPool, offsets: Sequence[int]) -> None:
         size = pool.page_size
         if size not in self._zero_pages:
-            self._zero_pages[size] = _native.PhysicalFile(size)
+            self._zero_pages[size] = binding.PhysicalFile(size)
         offsets = list(offsets)
-        _native.map_pages(reservation, self._zero_pages[size], size, offsets, [0] * len(offsets), True)
+        binding.map_pages(reservation, self._zero_pages[size], size, offsets, [0] * len(offsets), True)
 
     def unmap(self, reservation, pool: HostPool, offsets: Sequence[int]) -> None:
-        _native.unmap_pages(reservation, pool.page_size, offsets)
+        binding.unmap_pages(reservation, pool.page_size, offsets)
 
     def release(self, pool: HostPool, pages: Sequence[int]) -> None:
         size = pool.page_size
-        _native.punch_pages(pool.file, size, [p * size for p in sorted(pages)])
+        binding.punch_pages(pool.file, size, [p * size for p in sorted(pages)])
 
     def committed_bytes(self, pool: HostPool) -> int:
         return pool.file.committed()
@@ -66,7 +66,7 @@ class HostBackend(Backend):
         """(map ns, unmap ns) of the syscalls `map` and `unmap` make, one page a call in a plain C
         loop: the floor `vattn bench vmm` holds the library's own paths against."""
         size = pool.page_size
-        return _native.raw_map_loop(reservation, pool.file, size, offsets, [p * size for p in pages])
+        return binding.raw_map_loop(reservation, pool.file, size, offsets, [p * size for p in pages])
 
 
 def page_out_file_pages(tensors: Sequence[torch.Tensor]) -> int:
@@ -90,14 +90,14 @@ def page_out_file_pages(tensors: Sequence[torch.Tensor]) -> int:
     for t in tensors:
         lo, nbytes = t.data_ptr(), t.numel() * t.element_size()
         if t.is_cpu and t.is_contiguous() and nbytes and any(s <= lo and lo + nbytes <= e for s, e in files):
-            advised += _native.page_out(lo, nbytes)
+            advised += binding.page_out(lo, nbytes)
     return advised
 
 
 def trim_heap() -> None:
     """Give the OS back the heap's free memory, which glibc keeps after large
     frees (weights packed or unpacked) to serve later allocations."""
-    _native.trim_heap()
+    binding.trim_heap()
 
 
 class HugePages:

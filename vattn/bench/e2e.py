@@ -189,7 +189,7 @@ def run(json_path: str | None, plot_dir: str | None, workload: str = "sharegpt",
         rounds: int = 3, systems: list[str] = SYSTEMS, kv_budget: int | None = None,
         log_dir: str | None = None) -> dict:
     from vattn.engine import EngineConfig
-    from vattn.config import CacheConfig, resolve
+    from vattn.config import resolve
     from vattn.models import ENGINE_DTYPE, load_smollm2
 
     if rounds < 1:
@@ -197,7 +197,7 @@ def run(json_path: str | None, plot_dir: str | None, workload: str = "sharegpt",
     sizes = WORKLOADS[workload] | {k: v for k, v in dict(num_prompts=num_prompts, max_tokens=max_tokens).items() if v}
     model, tokenizer = load_smollm2(dtype=ENGINE_DTYPE)
     engine = EngineConfig().for_model(model)
-    cache = resolve(CacheConfig.from_model(model, **engine.cache_settings()))
+    cache = resolve(engine.cache_config(model))
     budget = kv_budget or default_budget(cache)
     reqs = requests(tokenizer, workload, **sizes)
     work = flops.workload_flops(model.config, reqs)

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from vattn.engine import gemm
+import vattn.executor.gemm as gemm
 
 
 def _text_config(config):
@@ -40,7 +40,7 @@ def workload_flops(config, requests: list[dict]) -> int:
 def gemm_peak_gflops(repeats: int = 10) -> float:
     """The best GFLOP/s of float32 GEMMs on every thread torch has: plain
     `mm`, oneDNN's pre-packed linear and vattn's own GEMM where it runs
-    (`vattn.engine.gemm`), over a few large shapes."""
+    (`vattn.executor.gemm`), over a few large shapes."""
     best = 0.0
     for m, n, k in ((512, 1536, 576), (1024, 1024, 1024), (256, 49152, 576)):
         x, w = torch.randn(m, k), torch.randn(n, k)

@@ -3,7 +3,7 @@ vLLM's CPU paged attention kernel over its own block pool.
 
 - `vattn`: a `VirtualKVCache` with the engine's default layout and page size
   for the device (`per_head`, 8 KiB on the host), read by SDPA through
-  `rows_kv` (zero-copy strided views);
+  `KVData.rows` (zero-copy strided views);
 - `vattn_native` (host only): the same cache read in place by vattn's own
   kernel (`vattn.attention.native`, the engine's default on the host), one
   call for all of a point's requests, each reading its own rows;
@@ -12,7 +12,7 @@ vLLM's CPU paged attention kernel over its own block pool.
   lie side by side, so one layer's rows are strided by all layers' bytes;
 - `contiguous`: ordinary `[B, H_kv, L, D]` tensors, the layout SDPA reads best;
 - `paged_gather`: a `PagedKVCache` with the engine's block size, whose
-  `rows_kv` gathers through the block tables into a reused buffer (the
+  `KVData.rows` gathers through the block tables into a reused buffer (the
   engine's paged baseline: gather + SDPA, the gather timed);
 - `vllm_paged` (host only, one column per block size, 16 and 128 — vLLM's CPU
   default): vLLM's own CPU kernel `cpu_attention_with_kv_cache` over blocks
@@ -24,7 +24,7 @@ vLLM's CPU paged attention kernel over its own block pool.
   how to make it and runs the other layouts.
 
 The vattn layouts run the engine's own kernels (`vattn.attention`) on layer 0
-of a model's GQA shape, reading K/V through `rows_kv` inside the timed call.
+of a model's GQA shape, reading K/V through `KVData.rows` inside the timed call.
 The virtual caches have the model's real layer count, which sets the
 interleaved layout's strides; only layer 0 is written (on the host, pages
 mapped but never touched cost no memory; on CUDA every layer's are
@@ -80,9 +80,12 @@ from typing import NamedTuple
 import torch
 from rich.progress import Progress
 
-from vattn import attention
-from vattn.attention import StepBatch, decode, flash, native, prefill, sdpa, triton_decode
-from vattn.attention.registry import INSTALLED, KERNELS
+import vattn.attention.flash as flash
+import vattn.attention.triton_decode as triton_decode
+import vattn.binding as binding
+from vattn.attention.batch import StepBatch
+from vattn.attention.registry import INSTALLED
+from vattn.attention.sdpa import SdpaStep, backends, prefill
 from vattn.bench import peers
 from vattn.bench.plots import line_chart
 from vattn.bench.shapes import LLAMA_3_8B, SMOLLM2_135M
@@ -120,15 +123,16 @@ KEY = Point._fields
 
 
 class Contiguous:
-    """`[B, H_kv, L, D]` K and V behind the `rows_kv` the kernels read (zeros
-    past each request's length, as the virtual cache reads there)."""
+    """`[B, H_kv, L, D]` K and V behind the `rows` the kernels read (zeros
+    past each request's length, as the virtual cache reads there): its own
+    data plane, as SDPA reads one."""
 
     def __init__(self, config: CacheConfig):
         shape = (config.max_num_seqs, config.num_kv_heads, config.max_seq_len, config.head_dim)
         self.config, self.device = config, torch.device(config.device)
         self.k, self.v = (torch.zeros(shape, dtype=config.dtype, device=config.device) for _ in "kv")
 
-    def rows_kv(self, layer: int, lo: int, hi: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, layer: int, lo: int, hi: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[lo:hi, :, :length].transpose(1, 2), self.v[lo:hi, :, :length].transpose(1, 2)
 
     def readable(self, lo: int, hi: int, length: int) -> bool:
@@ -139,10 +143,9 @@ def layouts(device: str) -> tuple[str, ...]:
     """The layouts measured in this process."""
     if device == "cpu":
         return LAYOUTS
-    flash = attention.flash_attn_with_kvcache is not None
-    kernels = ["sdpa"] + (["triton"] if "triton" in INSTALLED else []) + (["flash"] if flash else [])
+    kernels = ["sdpa"] + (["triton"] if "triton" in INSTALLED else []) + (["flash"] if flash.AVAILABLE else [])
     return (*(cuda_name(layout, k) for layout in CUDA_LAYOUTS for k in kernels), "contiguous", "paged_gather",
-            *(["contiguous_flash", "paged_flash"] if flash else []))
+            *(["contiguous_flash", "paged_flash"] if flash.AVAILABLE else []))
 
 
 def cuda_name(layout: str, kernel: str) -> str:
@@ -185,7 +188,7 @@ def make_layouts(model: str, dtype: torch.dtype, lengths: list[int], device: str
         for cache in caches.values():
             if cache is not contiguous:
                 assert cache.allocate(length) == slot
-                cache.write(0, [slot], [0], k, v)
+                cache.data.write(0, [slot], [0], k, v)
     for name in names:  # a kernel over another column's cache
         if name == "contiguous_flash":
             caches[name] = caches["contiguous"].k.transpose(1, 2), caches["contiguous"].v.transpose(1, 2)
@@ -214,16 +217,16 @@ def kernel(phase: str, cache, q: torch.Tensor, lengths: list[int], name: str = "
     if name == "vattn_native":
         return _native_kernel(cache, q, lengths)
     if name.endswith("_triton") and phase == "decode":
-        K, V = cache.layer_kv(0)
+        K, V = cache.data.views(0)
         slots = torch.arange(B, dtype=torch.int32, device=q.device)
         seqlens = torch.tensor(lengths, dtype=torch.int32, device=q.device)
         return lambda: triton_decode.decode(q, K, V, slots, seqlens, scale, checked=True)  # as the engine calls it
-    if phase == "decode":
-        step = StepBatch(cache, list(range(B)), [length - 1 for length in lengths], [], KERNELS["sdpa"])
-        step.decode_mask(None)
-        return lambda: decode(step, 0, q, scale, None)
+    data = cache if isinstance(cache, Contiguous) else cache.data
+    if phase == "decode":  # its masks made by the first call, as in a step's first layer
+        step = SdpaStep(StepBatch(list(range(B)), [length - 1 for length in lengths], []), data)
+        return lambda: step.decode(0, q, scale, None)
     n = q.shape[1]
-    return lambda: torch.stack([prefill(q[i], *(t[0] for t in cache.rows_kv(0, i, i + 1, length)), length - n, scale,
+    return lambda: torch.stack([prefill(q[i], *(t[0] for t in data.rows(0, i, i + 1, length)), length - n, scale,
                                         None) for i, length in enumerate(lengths)])
 
 
@@ -231,9 +234,9 @@ def _native_kernel(cache, q: torch.Tensor, lengths: list[int]):
     """One native call for every request (decode `q [B, H, D]`, prefill `[B, n, H, D]`)."""
     n = 1 if q.dim() == 3 else q.shape[1]
     flat = q.reshape(-1, *q.shape[-2:])
-    table = native.requests((i, 0, length, i * n, n) for i, length in enumerate(lengths))
-    K, V = cache.layer_kv(0)
-    return lambda: native.attend(flat, K, V, table, q.shape[-1] ** -0.5).view(q.shape)
+    table = binding.request_table((i, 0, length, i * n, n) for i, length in enumerate(lengths))
+    K, V = cache.data.views(0)
+    return lambda: binding.attend(flat, K, V, table, q.shape[-1] ** -0.5).view(q.shape)
 
 
 def _flash_kernel(phase: str, cache, q: torch.Tensor, lengths: list[int], name: str):
@@ -243,12 +246,13 @@ def _flash_kernel(phase: str, cache, q: torch.Tensor, lengths: list[int], name: 
     q = q[:, None] if phase == "decode" else q
     seqlens = torch.tensor(lengths, dtype=torch.int32, device=q.device)
     if name == "paged_flash":  # through the block tables
-        K, V = cache.layer_blocks(0)
-        where = {"block_table": torch.tensor(cache.block_tables(list(range(B))), dtype=torch.int32, device=q.device)}
+        K, V = cache.data.views(0)
+        where = {"block_table": torch.tensor(cache.data.block_tables(list(range(B))), dtype=torch.int32,
+                                             device=q.device)}
     else:
-        K, V = cache if name == "contiguous_flash" else cache.layer_kv(0)
+        K, V = cache if name == "contiguous_flash" else cache.data.views(0)
         where = {"cache_batch_idx": torch.arange(B, dtype=torch.int32, device=q.device)}
-    return lambda: attention.flash_attn_with_kvcache(q, K, V, cache_seqlens=seqlens, softmax_scale=q.shape[-1] ** -0.5,
+    return lambda: flash.flash_attn_with_kvcache(q, K, V, cache_seqlens=seqlens, softmax_scale=q.shape[-1] ** -0.5,
                                                      causal=n > 1, **where)
 
 
@@ -369,7 +373,7 @@ def run(json_path: str | None, plot_dir: str | None, batches: list[int] = [1, 8,
     gb_per_s = read_gb_per_s(device, repeats)
     floors = {p: floor_ms(p.model, p.dtype, lengths[p], gb_per_s) for p in points}
     rows, sdpa_ran = [], {}
-    with Progress(console=console, transient=True) as bar, torch.inference_mode(), sdpa.backends(torch.device(device)):
+    with Progress(console=console, transient=True) as bar, torch.inference_mode(), backends(torch.device(device)):
         task = bar.add_task("attention kernels", total=len(points))
         for point in points:
             phase, dtype, model, batch, context, kind = point

@@ -3,7 +3,7 @@ layer's fused Q/K/V, O, fused gate/up and down, as the engine serves them,
 then the tied LM head), at the rows of decode steps and of prefill chunks,
 by each GEMM a CPU engine could run:
 
-- `vattn`: vattn's own (`vattn.engine.gemm`, the engine's default for
+- `vattn`: vattn's own (`vattn.executor.gemm`, the engine's default for
   float32 where the CPU has AVX-512), weights packed in panels;
 - `onednn`: torch's oneDNN linear over weights pre-packed for it (what the
   engine runs elsewhere, and inductor's freezing packs);
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from vattn.bench import peers
 from vattn.bench.shapes import SMOLLM2_135M_CONFIG
-from vattn.engine import gemm
+import vattn.executor.gemm as gemm
 from vattn.report import console, print_table, write_json
 
 ROWS = (1, 8, 32, 48, 64, 128, 512)

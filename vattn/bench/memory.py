@@ -247,7 +247,7 @@ def replay_engine(policy: str, trace: Trace, geometry: Geometry, budget: int, ma
         for prompt, output in trace:
             rid = engine.add_request([0] * prompt, SamplingParams(max_tokens=output, temperature=0, ignore_eos=True))
             final[rid] = (prompt + output) * geometry.token_bytes
-        tally, cache, page = Tally(), engine.cache, engine.cache.config.page_bytes
+        tally, cache, page = Tally(), engine.kv.cache, engine.kv.config.page_bytes
         while engine.has_unfinished_requests():
             tally.completed += sum(o.finished for o in engine.step())
             tally.step([(seq.num_computed_tokens * geometry.token_bytes, cache.mapped_pages(engine.kv.slot(seq)) * page,

@@ -72,7 +72,7 @@ def serve_engine(model, tokenizer, requests, ignore_eos, options) -> tuple[list[
                 time.sleep(max(0.0, requests[order[added]]["arrival"] - now))
                 continue
             done |= {int(o.request_id): o for o in engine.step() if o.finished}
-        committed = engine.stats.peak_pages * engine.cache.config.page_bytes
+        committed = engine.stats.peak_pages * engine.kv.config.page_bytes
     finally:
         engine.close()
     return [_record(done[i], start, r["arrival"]) for i, r in enumerate(requests)], committed

@@ -145,7 +145,7 @@ def _add_invalid(engine: LLMEngine, prompt: list[int], rid: str, served: Served)
 def pool_is_whole(engine) -> bool:
     """Every page free or held by an idle slot, and the books consistent."""
     engine.kv.check()
-    st = engine.cache.stats()
+    st = engine.kv.stats()
     return st.active_slots == 0 and st.pages_mapped == st.pages_idle and st.swapped_slots == 0
 
 

@@ -16,7 +16,7 @@ LIMITS = ("max_num_seqs", "max_num_batched_tokens", "max_running_tokens")  # the
 def run(json_path: str | None, limits: dict[str, list], workload: str = "sharegpt", num_prompts: int | None = None,
         max_tokens: int | None = None, rate: float = float("inf"), rounds: int = 3) -> dict:
     """`limits`: the values of each of `LIMITS` to try."""
-    from vattn.config import CacheConfig, resolve
+    from vattn.config import resolve
     from vattn.engine import EngineConfig
     from vattn.models import ENGINE_DTYPE, load_smollm2
 
@@ -26,7 +26,7 @@ def run(json_path: str | None, limits: dict[str, list], workload: str = "sharegp
                                        if v}
     model, tokenizer = load_smollm2(dtype=ENGINE_DTYPE)
     engine = EngineConfig().for_model(model)
-    budget = e2e.default_budget(resolve(CacheConfig.from_model(model, **engine.cache_settings())))
+    budget = e2e.default_budget(resolve(engine.cache_config(model)))
     reqs = e2e.requests(tokenizer, workload, **sizes)
     del model
     due = e2e.arrivals(len(reqs), rate)

@@ -3,6 +3,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from vattn.checks import is_int, is_number
+from vattn.config import CacheConfig, check_utilization
+from vattn.executor.runner import RunnerOptions
 
 DEFAULT_MAX_SEQ_LEN = 2048  # or the model's positions, if fewer
 
@@ -23,36 +25,40 @@ class EngineConfig:
     positions (`max_position_embeddings`), if fewer; a larger one is refused
     unless `allow_long_max_seq_len` says the model is good past its positions.
     `memory_budget` is the KV memory in bytes (default: every slot at
-    `max_seq_len`).  A request is admitted only while `watermark` of the pages
-    would stay free or reclaimable.  `map_ahead`
-    maps the pages the next step needs on a background thread while the
-    current step computes.  `layout` and `page_size` are the virtual cache's
-    (default: the device's, `vattn.config.DEFAULTS`); on CUDA the pool takes
-    at most `gpu_memory_utilization` of the free device memory unless
+    `max_seq_len`).  A request is admitted only while `watermark` of the
+    pages would stay free or reclaimable.  `map_ahead` maps the pages the next
+    step needs on a background thread while the current step computes.
+    `layout`, `page_size`, `deferred_reclamation` and the other fields
+    `CacheConfig` has too are the cache's (`cache_config`); on CUDA the pool
+    takes at most `gpu_memory_utilization` of the free device memory unless
     `memory_budget` says.  With `enable_prefix_caching` a prompt resumes the
-    whole pages another request computed for the same tokens.  `kv_cache="paged"` runs the same engine on the
-    paged baseline (`vattn.PagedKVCache`, blocks of `block_size` tokens).
-    `attention` names the attention kernel (`vattn.attention.registry.KERNELS`:
-    "native", "flash", "sdpa"); None takes the first that serves the cache.
-    `pack_linears` pre-packs the model's linear weights on the CPU (float32
-    ones for vattn's own GEMM, `vattn.engine.gemm`, where the CPU has AVX-512
-    and `native_gemm`; the others for oneDNN) and `fuse_projections` runs
-    Q/K/V and gate/up as one GEMM each where the architecture is known
-    (`vattn.engine.linears`); the model is given back unchanged by `close()`.  `own_forward` runs the architectures
-    `vattn.engine.forward` knows through the engine's own forward over the
-    model's modules (transformers' arithmetic without its per-call
-    machinery); other models run their own forward.  With `fuse_elementwise`
-    that forward runs its work between the GEMMs on float32 rows on the host
-    as one native call each (`vattn.engine.fused`: equal to transformers'
-    within float32 rounding, not bit for bit).  `compile` runs the
-    model through `torch.compile` (one graph for every step, compiled by the
-    first; inductor's freezing packs the weights, so `pack_linears`,
+    whole pages another request computed for the same tokens.
+    `kv_cache="paged"` runs the same engine on the paged baseline
+    (`vattn.PagedKVCache`, blocks of `block_size` tokens).
+
+    How the model runs (`runner_options`, `vattn.executor.runner.RunnerOptions`,
+    where the rules of which apply live): `attention` names the attention
+    kernel (`vattn.attention.registry.KERNELS`: "native", "flash", "triton",
+    "sdpa"; None: the first that serves the cache).  `pack_linears` pre-packs
+    the model's linear weights on the CPU (float32 ones for vattn's own GEMM,
+    `vattn.executor.gemm`, where the CPU has AVX-512 and `native_gemm`; the
+    others for oneDNN) and `fuse_projections` runs Q/K/V and gate/up as one
+    GEMM each where the architecture is known (`vattn.executor.linears`); the
+    model is given back unchanged by `close()`.  `own_forward` runs the
+    architectures `vattn.executor.forward` knows through the engine's own
+    forward over the model's modules (transformers' arithmetic without its
+    per-call machinery); other models run their own forward.  With
+    `fuse_elementwise` that forward runs its work between the GEMMs on
+    float32 rows on the host as one call into the C core each (equal to
+    transformers' within float32 rounding, not bit for bit).  `compile` runs
+    the model through `torch.compile` (one graph for every step, compiled by
+    the first; inductor's freezing packs the weights, so `pack_linears`,
     `fuse_projections`, `own_forward` and `fuse_elementwise` do not apply).
     `tensor_parallel_size` ranks each hold a share of the model's heads and
-    a cache of their own KV heads (`vattn.engine.parallel`; its linears and
+    a cache of their own KV heads (`vattn.distributed`; its linears and
     forward stay transformers', so `pack_linears`, `fuse_projections`,
-    `own_forward` and `fuse_elementwise` do not apply, nor does `compile`); `memory_budget` is then
-    each rank's."""
+    `own_forward` and `fuse_elementwise` do not apply, nor does `compile`);
+    `memory_budget` is then each rank's."""
 
     max_num_seqs: int = 64  # the batch limits `vattn bench sweep` found fastest (benchmarks/README.md)
     max_num_batched_tokens: int = 512
@@ -94,9 +100,7 @@ class EngineConfig:
                              f"got {self.preemption_mode!r}")
         if self.kv_cache not in KV_CACHES:
             raise ValueError(f"EngineConfig.kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
-        if not (is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1):
-            raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], "
-                             f"got {self.gpu_memory_utilization!r}")
+        check_utilization("EngineConfig", self.gpu_memory_utilization)
         if not (is_number(self.watermark) and 0 <= self.watermark < 1):
             raise ValueError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")
         if self.compile and self.tensor_parallel_size > 1:
@@ -114,8 +118,19 @@ class EngineConfig:
                              f"model is good past its positions")
         return self
 
-    def cache_settings(self) -> dict:
-        """The `CacheConfig` settings of this engine (the model gives the geometry)."""
-        return dict(max_num_seqs=self.max_num_seqs, max_seq_len=self.max_seq_len, memory_budget=self.memory_budget,
-                    page_size=self.page_size, layout=self.layout, deferred_reclamation=self.deferred_reclamation,
-                    gpu_memory_utilization=self.gpu_memory_utilization)
+    def cache_config(self, model) -> CacheConfig:
+        """The cache these settings build for `model` (its layers, this rank's
+        KV heads, head size, dtype, device, and the settings of `CacheConfig`
+        this config has too)."""
+        return CacheConfig.from_model(model, self.tensor_parallel_size, **self._shared(CacheConfig))
+
+    def runner_options(self, sharded: bool) -> RunnerOptions:
+        """How the model runs (`sharded`: this rank holds a tensor-parallel
+        shard), GEMMs of about `max_num_seqs` rows."""
+        return RunnerOptions(**self._shared(RunnerOptions), sharded=sharded, rows=self.max_num_seqs)
+
+    def _shared(self, other) -> dict:
+        """This config's values of the fields dataclass `other` has too: one
+        path to the other configs, no field copied by hand."""
+        mine = {f.name for f in dataclasses.fields(self)}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(other) if f.name in mine}

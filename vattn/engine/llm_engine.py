@@ -1,9 +1,11 @@
 """The serving engine: requests in, tokens out, one scheduler step at a time.
 
-A step is: the scheduler's plan (`schedule`), the pages the next step needs
-mapped in the background, one forward (`ModelRunner`), then, request by
-request, the scheduler's bookkeeping (`update`), sampling and stop checks,
-and the finished sequences let go.  What fails in one request's part ends
+A step is: the scheduler's plan (`schedule`), the forward prepared
+(`ModelRunner.prepare`), the pages the next step needs mapped in the
+background, the forward run (`ModelRunner.run`), then, request by request,
+the scheduler's bookkeeping (`update`), sampling and stop checks, and the
+finished sequences let go.  The engine reaches the cache only through its
+manager (`KVCacheManager`); the runner holds its data plane.  What fails in one request's part ends
 that request with an error (`RequestOutput.error`), all it held freed, and
 nothing else.
 """
@@ -16,33 +18,22 @@ from contextlib import contextmanager
 import torch
 
 from vattn.checks import is_int
-from vattn.config import CacheConfig
+from vattn.distributed.group import Group, Message, RankFailed
+from vattn.distributed.lockstep import RecordingKV, checked_books
 from vattn.engine.config import EngineConfig
-from vattn.engine.lockstep import RecordingKV, books
 from vattn.engine.map_worker import MapWorker
 from vattn.engine.metrics import EngineStats
-from vattn.engine.model_runner import ModelRunner
-from vattn.engine.parallel import Group, Message, RankFailed
-from vattn.engine.plan import StepInputs, StepPlan
+from vattn.engine.plan import StepPlan
 from vattn.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from vattn.engine.sampler import sample
 from vattn.engine.scheduler import Scheduler
-from vattn.kv.manager import KVCacheManager
-from vattn.kv.paged import PagedKVCache
-from vattn.kv.slots import SlotCache
-from vattn.kv.virtual import VirtualKVCache
+from vattn.executor.inputs import StepInputs
+from vattn.executor.runner import ModelRunner
+from vattn.kv import KVCacheManager, make_cache
 from vattn.sampling_params import SamplingParams
 
 
 UNHEALTHY_AFTER = 3  # forwards failing in a row
-
-
-def build_cache(model, config: EngineConfig) -> tuple[SlotCache, KVCacheManager]:
-    """The cache `config` asks for over the model's KV heads (this rank's, under tensor parallelism)."""
-    cache_config = CacheConfig.from_model(model, config.tensor_parallel_size, **config.cache_settings())
-    cache = (PagedKVCache(cache_config, config.block_size) if config.kv_cache == "paged"
-             else VirtualKVCache(cache_config))
-    return cache, KVCacheManager(cache, config.enable_prefix_caching)
 
 
 class LLMEngine:
@@ -51,19 +42,17 @@ class LLMEngine:
         """`model`: a transformers causal LM (its attention implementation is
         switched to vattn's until `close`); `tokenizer` for text prompts, stop
         strings and output text; settings: `EngineConfig` fields.  With
-        `group` (rank 0 of `vattn.engine.parallel.launch`), `model` is this
+        `group` (rank 0 of `vattn.distributed.ranks.launch`), `model` is this
         rank's shard and every step is broadcast to the other ranks."""
         self.config = config = (config or EngineConfig(**settings)).for_model(model)
         if (config.tensor_parallel_size > 1) != (group is not None):
             raise ValueError("tensor_parallel_size > 1 runs through vattn.LLM, which starts the ranks")
-        self.cache, kv = build_cache(model, config)
+        cache = make_cache(config.cache_config(model), config.kv_cache, config.block_size)
+        kv = KVCacheManager(cache, config.enable_prefix_caching)
         self.group = group
         self.kv = kv if group is None else RecordingKV(kv)
         self.scheduler = Scheduler(config, self.kv)
-        sharded = group is not None  # DTensor weights: the linears and the forward stay transformers'
-        self.runner = ModelRunner(model, self.cache, config.attention, config.pack_linears and not sharded,
-                                  config.fuse_projections and not sharded, config.max_num_seqs, config.compile,
-                                  config.own_forward and not sharded, config.fuse_elementwise, config.native_gemm)
+        self.runner = ModelRunner(model, cache, config.runner_options(sharded=group is not None))
         self.model, self.tokenizer = model, tokenizer
         self.worker = MapWorker() if config.map_ahead else None
         self.requests: dict[str, Request] = {}
@@ -143,11 +132,11 @@ class LLMEngine:
                 why = " (the process is at vm.max_map_count)" if self.kv.map_limit_hits else ""
                 raise RuntimeError(f"no request could be scheduled: memory is too short{why}")
             return outputs
-        logits, waited = self._forward(plan)
+        logits, waited = self._forward(plan.inputs(), plan)
         usage, pages = self.kv.usage, self.kv.num_mapped_pages
         outputs += self._advance(plan, logits)
         self.stats.record(time.perf_counter() - start, self.scheduler.map_seconds - mapped_before + waited,
-                          plan.num_tokens, usage, pages, not plan.prefills)
+                          plan.num_tokens, usage, pages, not plan.chunks)
         return outputs
 
     @property
@@ -155,21 +144,19 @@ class LLMEngine:
         """False after three forwards in a row failed, or once the tensor-parallel ranks are down."""
         return self._failed_forwards < UNHEALTHY_AFTER and not (self.group is not None and self.group.closed)
 
-    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, float]:
-        """(the logits of the rows that sample, the seconds spent waiting for the mapping worker)."""
+    def _forward(self, inputs: StepInputs, plan: StepPlan) -> tuple[torch.Tensor, float]:
+        """(the logits of the rows that sample, the seconds spent on mapping
+        the step's critical path waited for: the mapping worker, and a range
+        the forward reads whole made readable)."""
         try:
-            inputs = StepInputs.of(plan)
-            batch = self.runner.batch(inputs)
-            reads = self.runner.zero_fill_range(batch)
-            self._map_ahead(plan, background=reads is None)
-            if reads:
-                self.scheduler.timed(self.cache.zero_fill, *reads)
+            step = self.runner.prepare(inputs)
+            self._map_ahead(plan, background=not step.pins_pages)
             try:
                 with self._ranks():
                     self._broadcast(inputs)
-                    logits = self.runner.run(inputs, batch)
+                    logits = self.runner.run(step)
             finally:
-                waited = self._wait_for_mapping()
+                waited = self._wait_for_mapping() + step.fill_seconds
         except Exception:
             self._failed_forwards += 1
             raise
@@ -177,16 +164,13 @@ class LLMEngine:
         return logits, waited
 
     def _map_ahead(self, plan: StepPlan, background: bool) -> None:
-        """Map the page each sampling sequence needs for the token it feeds
-        next step (and unmap what newly given slots hold past their size): on
-        the worker while this step computes, or here and now without one or
-        when the forward reads pages the worker could unmap (`zero_fill`)."""
-        limit = self.config.max_seq_len
-        targets = {w.seq: len(w.seq.token_ids) + 1 for w in plan.work if w.samples and len(w.seq.token_ids) < limit}
+        """The next step's pages (`Scheduler.map_ahead`): on the worker while
+        this step computes, or here and now without one or when the forward
+        reads a range the worker could change."""
         if self.worker and background:
-            self.worker.submit(lambda: self.kv.map_ahead(targets))
+            self.worker.submit(lambda: self.scheduler.map_ahead(plan))
         else:
-            self.scheduler.timed(self.kv.map_ahead, targets)
+            self.scheduler.timed(self.scheduler.map_ahead, plan)
 
     def _wait_for_mapping(self) -> float:
         return self.worker.wait() if self.worker else 0.0
@@ -215,16 +199,15 @@ class LLMEngine:
             raise self.group.failure(e) from e
 
     def rank_books(self) -> list[tuple]:
-        """Every rank's page books (`vattn.engine.lockstep.books`), each rank's
-        cache checked first; under tensor parallelism all must be equal."""
+        """Every rank's page books (`vattn.distributed.lockstep.checked_books`),
+        each rank's cache checked first; under tensor parallelism all must be
+        equal."""
         self._wait_for_mapping()
         if self.group is None:
-            self.kv.check()
-            return [books(self.kv)]
+            return [checked_books(self.kv)]
         with self._ranks():
             self.group.send(Message(self.kv.take(), query="books"))
-            self.kv.check()
-            return self.group.gather(books(self.kv.kv))
+            return self.group.gather(checked_books(self.kv.kv))
 
     def _advance(self, plan: StepPlan, logits: torch.Tensor) -> list[RequestOutput]:
         """Each request's part of the step after the forward: the scheduler's
@@ -311,7 +294,7 @@ class LLMEngine:
         tensor-parallel ranks."""
         if self.worker:
             self.worker.close()
-        self.cache.trim()
+        self.scheduler.trim()
         self.runner.close()
         if self.group is not None and not self.group.closed:
             try:

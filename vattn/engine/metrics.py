@@ -9,8 +9,8 @@ from vattn.engine.request import RequestOutput
 
 if TYPE_CHECKING:
     from vattn.engine.map_worker import MapWorker
-    from vattn.engine.model_runner import ModelRunner
     from vattn.engine.scheduler import Scheduler
+    from vattn.executor.runner import ModelRunner
     from vattn.kv.manager import KVCacheManager
 
 

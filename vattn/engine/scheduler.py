@@ -228,6 +228,18 @@ class Scheduler:
                 queue.remove(req)
         req.status = Status.FINISHED
 
+    def map_ahead(self, plan: StepPlan) -> None:
+        """Map the page each sampling sequence of `plan` needs for the token it
+        feeds next step, and unmap what newly given slots hold past their size
+        (off the step's critical path where the engine runs it on its worker)."""
+        limit = self.config.max_seq_len
+        self.kv.map_ahead({w.seq: len(w.seq.token_ids) + 1 for w in plan.work
+                           if w.samples and len(w.seq.token_ids) < limit})
+
+    def trim(self) -> None:
+        """Give back the memory idle slots hold."""
+        self.kv.trim()
+
     def timed(self, call, *args):
         """A cache call that maps pages, timed."""
         start = time.perf_counter()

@@ -18,7 +18,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from vattn.attention import native, registry
+import vattn.binding as binding
+from vattn.attention import registry
+from vattn.attention.native import serves_head_dim
 from vattn.config import CacheConfig
 from vattn.kv.virtual import VirtualKVCache
 
@@ -116,8 +118,8 @@ class VAttnCache(Cache):
                 raise KVMemoryError(f"the KV memory budget cannot hold {B} rows of {end} tokens "
                                     f"({self.kv.stats().pages_free} pages free)")
             self._capacity = end
-        self.kv.write(layer, range(B), [start] * B, key.transpose(1, 2), value.transpose(1, 2))
-        K, V = self.kv.layer_kv(layer)
+        self.kv.data.write(layer, range(B), [start] * B, key.transpose(1, 2), value.transpose(1, 2))
+        K, V = self.kv.data.views(layer)
         return K[:B, :end].transpose(1, 2), V[:B, :end].transpose(1, 2)
 
     def _open(self, batch: int) -> None:
@@ -218,11 +220,11 @@ def native_attention(module, query, key, value, attention_mask, scaling=None, dr
     L = key.shape[2]
     starts = _band_starts(attention_mask, B, T, L, sliding_window)
     if (starts is None or dropout or kwargs.get("softcap") or kwargs.get("s_aux") is not None
-            or query.dtype not in native.DTYPES or not native.serves_head_dim(D) or query.device.type != "cpu"):
+            or query.dtype not in binding.DTYPES or not serves_head_dim(D) or query.device.type != "cpu"):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       sliding_window=sliding_window, **kwargs)
-    table = native.requests((b, start, L, b * T, T) for b, start in enumerate(starts))
-    out = native.attend(query.transpose(1, 2).reshape(B * T, H, D), key.transpose(1, 2), value.transpose(1, 2),
+    table = binding.request_table((b, start, L, b * T, T) for b, start in enumerate(starts))
+    out = binding.attend(query.transpose(1, 2).reshape(B * T, H, D), key.transpose(1, 2), value.transpose(1, 2),
                         table, D ** -0.5 if scaling is None else scaling, sliding_window)
     return out.view(B, T, H, D), None
 

@@ -11,6 +11,7 @@ inside.  In the vocabulary of vLLM's `KVCacheManager` and nano-vllm's
     free(seq)                                 finished, aborted, or preempted by recompute
     drop(seq)                                 ended in error: its pages back to the pool, unhashed
     swap_out(seq) / swap_in(seq, swapped)     preempted by swap, and back -> SwappedSlot / bool
+    trim()                                    the memory of idle pages given back
     num_available_pages(), usage, ...         the numbers admission needs; queries never raise
 
 Misuse (an unknown sequence, a count out of range) raises `ValueError` and
@@ -210,6 +211,10 @@ class KVCacheManager:
     def discard(self, swapped: SwappedSlot) -> None:
         """A swapped-out sequence ended without coming back."""
         self.cache.discard(swapped)
+
+    def trim(self) -> None:
+        """Give back the memory idle slots hold (every idle page reclaimed)."""
+        self.cache.trim()
 
     def stats(self):
         return self.cache.stats()

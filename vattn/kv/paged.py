@@ -6,7 +6,7 @@ its block table, so allocation, sharing by reference counts, deferred
 reclamation, swap and the whole cache interface the engine uses are the
 virtual cache's; only where the tokens lie differs.  A kernel that wants a
 slot's tokens as one tensor must gather them through the block table:
-`rows_kv` copies them into a reused buffer, where the virtual cache hands out
+`KVData.rows` copies them into a reused buffer, where the virtual cache hands out
 views.
 
 The pool is one range of the VMM backend, mapped whole when the cache is made
@@ -29,7 +29,7 @@ class PagedStorage:
     """Blocks in a pool reached through block tables; one block more, never
     written, is what rows past a table read."""
 
-    zero_backed, views = True, False
+    zero_backed = True
 
     def __init__(self, config: CacheConfig, block_size: int, backend: Backend):
         c = self.config = config
@@ -69,6 +69,11 @@ class PagedStorage:
     def committed_bytes(self) -> int:
         return self.backend.committed_bytes(self._memory)
 
+    def views(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block pools `[num_blocks + 1, block_size, H, D]` (the last block is never written)."""
+        k, v = self.pools[2 * layer], self.pools[2 * layer + 1]
+        return k.view(-1, self.block_size, *k.shape[1:]), v.view(-1, self.block_size, *v.shape[1:])
+
     def rows(self, layer, lo, hi, tables, length) -> tuple[torch.Tensor, torch.Tensor]:
         """Gathered into one buffer for K and one for V, reused by the next call."""
         index = self._index.get((lo, hi, length))
@@ -82,6 +87,11 @@ class PagedStorage:
             torch.index_select(pool, 0, index, out=buffer)
             out.append(buffer.view(hi - lo, length, *pool.shape[1:]))
         return out[0], out[1]
+
+    def tables(self, tables: list[list[int]]) -> list[list[int]]:
+        """`tables` as rows of one length, each padded with the block that is never written."""
+        width = max(map(len, tables), default=0)
+        return [t + [self.zero_block] * (width - len(t)) for t in tables]
 
     def _token_rows(self, tables, length: int) -> torch.Tensor:
         """Pool rows of tokens 0..length-1 of each table, table-major; past a
@@ -137,7 +147,7 @@ class PagedStorage:
 
 
 class PagedKVCache(SlotCache):
-    kind = "paged"  # rows_kv gathers through block tables
+    kind = "paged"  # kernels read block pools through block tables
 
     def __init__(self, config: CacheConfig, block_size: int = 16, backend: Backend | None = None):
         """The geometry, slots and memory budget of `config`; its layout and
@@ -149,17 +159,3 @@ class PagedKVCache(SlotCache):
         config = resolve(dataclasses.replace(config, layout="per_layer", page_size=block_size * token), backend)
         super().__init__(config, PagedStorage(config, block_size, backend))
         self.block_size, self.backend = block_size, backend
-
-    def layer_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V block pools of `layer`, `[num_blocks + 1, block_size, H, D]`
-        (the last block is never written), for kernels given block tables."""
-        self._check_layer(layer)
-        pools = self.storage.pools
-        return tuple(p.view(-1, self.block_size, *p.shape[1:]) for p in (pools[2 * layer], pools[2 * layer + 1]))
-
-    def block_tables(self, slots: list[int]) -> list[list[int]]:
-        """The slots' block tables as rows of one length, each padded with the
-        block that is never written."""
-        tables = [self.block_table(slot) for slot in slots]
-        width = max(map(len, tables), default=0)
-        return [t + [self.storage.zero_block] * (width - len(t)) for t in tables]

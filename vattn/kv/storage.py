@@ -6,19 +6,19 @@ contiguous buffers (`vattn.kv.virtual`), `PagedStorage` keeps them as blocks
 of a pool reached through block tables (`vattn.kv.paged`).  `entries` are
 (slot, page index) pairs; a `table` is a slot's pages in token order.
 """
-import functools
 from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
-from vattn.backends import MapLimitError
 
 
 class Storage(Protocol):
     device: torch.device
     zero_backed: bool  # rows with no page behind them read as zeros instead of faulting
-    views: bool  # `rows` are views of the cache itself (else copies into a buffer the next call reuses)
+
+    def map_zero(self, entries: list[tuple[int, int]]) -> None:
+        """Put the read-only zero page at `entries` (where nothing backs what is not mapped)."""
 
     def map(self, entries: list[tuple[int, int]], pages: list[int]) -> None:
         """Put page `pages[i]` at `entries[i]`; all or nothing (`MapLimitError`
@@ -43,21 +43,9 @@ class Storage(Protocol):
               key: torch.Tensor, value: torch.Tensor) -> None:
         """Put checked `[B, T, H, D]` K/V at each slot's positions."""
 
+    def views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer` as kernels address them."""
+
     def rows(self, layer: int, lo: int, hi: int, tables: Sequence[list[int]], length: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V `[hi - lo, length, H, D]` of slots lo..hi-1 (`tables` theirs)."""
-
-
-def short_at_map_limit(no_room):
-    """Run a mapping operation; at the mapping limit it changed nothing and
-    returns `no_room`, its answer when memory is short."""
-    def wrap(method):
-        @functools.wraps(method)
-        def run(self, *args, **kwargs):
-            try:
-                return method(self, *args, **kwargs)
-            except MapLimitError:
-                self.map_limit_hits += 1
-                return no_room
-        return run
-    return wrap

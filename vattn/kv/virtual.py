@@ -11,24 +11,20 @@ reads as zeros, so kernels that read the whole-buffer views past a slot's
 length cannot fault.  CUDA has no such backing: kernels read a slot's rows
 only as far as its pages reach (`readable`), FlashAttention and the Triton
 kernel as far as the lengths they are given; for one batched call over a
-range of slots, `zero_fill` maps one read-only zero page where it has none.
+range of slots, `KVData.readable(..., fill=True)` maps one read-only zero page
+where it has none.
 """
 import torch
 
 from vattn.backends import Backend, get_backend
 from vattn.config import CacheConfig, resolve
-from vattn.kv.inspect import CacheStats
-from vattn.kv.sharing import SwappedSlot
 from vattn.kv.slots import SlotCache
-from vattn.kv.storage import short_at_map_limit
 
-__all__ = ["CacheStats", "SwappedSlot", "VirtualKVCache", "VirtualStorage"]
+__all__ = ["VirtualKVCache", "VirtualStorage"]
 
 
 class VirtualStorage:
     """Pages mapped into one reservation holding every buffer."""
-
-    views = True
 
     def __init__(self, config: CacheConfig, backend: Backend):
         c = self.config = config
@@ -87,6 +83,9 @@ class VirtualStorage:
             K.index_put_(self._scatter_index(slots, positions, T), key)
             V.index_put_(self._scatter_index(slots, positions, T), value)
 
+    def views(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer], self.v[layer]
+
     def rows(self, layer, lo, hi, tables, length) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer][lo:hi, :length], self.v[layer][lo:hi, :length]
 
@@ -114,44 +113,10 @@ class VirtualStorage:
 
 
 class VirtualKVCache(SlotCache):
-    kind = "virtual"  # layer_kv hands kernels whole-buffer views
+    kind = "virtual"  # kernels read whole-buffer views (`KVData.views`)
 
     def __init__(self, config: CacheConfig, backend: Backend | None = None):
         backend = backend or get_backend(config.device)
         config = resolve(config, backend)
         super().__init__(config, VirtualStorage(config, backend))
         self.backend = backend
-
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole-buffer K and V of `layer`, `[max_num_seqs, max_seq_len, H, D]`,
-        for kernels given each slot's length.  On the host every row is safe
-        to read (past a slot's length it holds zeros or finite stale values);
-        on CUDA only the rows of mapped pages (`readable`)."""
-        self._check_layer(layer)
-        return self.storage.k[layer], self.storage.v[layer]
-
-    @short_at_map_limit(False)
-    def zero_fill(self, lo: int, hi: int, length: int) -> bool:
-        """Make the first `length` rows of slots lo..hi-1 `readable` for one
-        batched kernel call where nothing backs what is not mapped: the
-        read-only zero page goes wherever those rows have no page, and the
-        pages there (any slot's, idle or active) count as readable until the
-        cache next maps or unmaps, so nothing may map or unmap while that call
-        runs (the engine maps a step's pages before such a forward, not during
-        it).  A page grown into later takes the zero page's place.  False,
-        changing nothing, at the process's limit on mappings."""
-        self._check_slot(lo)
-        self._check_slot(hi - 1)
-        if not lo < hi:
-            raise ValueError(f"slots {lo}..{hi - 1} are no range")
-        self._check_tokens(length)
-        if self.storage.zero_backed:
-            return True
-        need = self.config.pages_for(length)
-        entries = [(i, j) for i in range(lo, hi) for j in range(len(self._slots[i].pages), need)
-                   if (i, j) not in self._zero_filled]
-        if entries:
-            self.storage.map_zero(entries)
-            self._zero_filled.update(entries)
-        self._readable_range = lo, hi, need
-        return True

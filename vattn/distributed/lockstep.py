@@ -3,7 +3,7 @@
 Rank 0's scheduler decides; its `KVCacheManager` is wrapped in a
 `RecordingKV` that logs each call that changes the cache, in the order made
 (the mapping worker's too), with the sequence named by a number and the
-answer it got.  The log goes out with each step (`vattn.engine.parallel`);
+answer it got.  The log goes out with each step (`vattn.distributed.ranks`);
 every other rank `replay`s it on its own manager over its own cache, which
 holds its own KV heads.  The calls are deterministic, so each rank's pages,
 slots and prefix hashes come out the same; a different answer anywhere is
@@ -17,7 +17,7 @@ from vattn.kv.manager import KVCacheManager
 from vattn.kv.sharing import SwappedSlot
 
 CHANGES = ("allocate", "allocate_slots", "fork", "map_ahead", "cache_tokens", "free", "drop", "swap_out",
-           "swap_in", "discard")
+           "swap_in", "discard", "trim")
 
 
 class Diverged(RuntimeError):
@@ -102,6 +102,10 @@ class RecordingKV:
         self.kv.discard(swapped)
         self._log("discard", (self._swapped.pop(id(swapped)),), None)
 
+    def _trim(self) -> None:
+        self.kv.trim()
+        self._log("trim", (), None)
+
 
 @dataclass
 class Replica:
@@ -130,6 +134,12 @@ class Replica:
 
     def _discard(self, held) -> None:
         self.kv.discard(self.swapped.pop(held))
+
+
+def checked_books(kv: KVCacheManager) -> tuple:
+    """`books`, the cache checked first (`KVCacheManager.check`)."""
+    kv.check()
+    return books(kv)
 
 
 def books(kv: KVCacheManager) -> tuple:

@@ -1,4 +1,5 @@
-"""The engine's own float32 GEMM on the host (`native/linear.c`): `x W^T + b`
+"""The engine's own float32 GEMM on the host (`native/linear.c`, through
+`vattn.binding`): `x W^T + b`
 over a weight packed once into panels of `PANEL` output columns
 (`[panels, in_features, PANEL]`, zeros past the last column).
 
@@ -9,17 +10,16 @@ with them (`vattn bench linears`).
 """
 import torch
 
-from vattn import _native
+import vattn.binding as binding
 from vattn.backends.host import HugePages
-from vattn.engine.fused import matrix
 
-PANEL = _native.LINEAR_PANEL
+PANEL = binding.LINEAR_PANEL
 _PAGES = HugePages()  # the packed weights: streamed from memory at a decode step's few rows
 
 
 def serves(weight: torch.Tensor) -> bool:
     """Whether `weight` can be packed for this GEMM (float32 on a host with AVX-512)."""
-    return weight.dtype == torch.float32 and weight.is_cpu and weight.dim() == 2 and _native.linear_serves()
+    return weight.dtype == torch.float32 and weight.is_cpu and weight.dim() == 2 and binding.linear_serves()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -48,11 +48,6 @@ def linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch
         rows = rows.contiguous()
     if out is None:
         out = rows.new_empty(rows.shape[0], out_features)
-    _native.linear(matrix("out", out), matrix("x", rows), *arguments(panels, bias), torch.get_num_threads())
+    binding.linear(out, rows, panels, bias)
     return out.view(*x.shape[:-1], out_features)
-
-
-def arguments(panels: torch.Tensor, bias: torch.Tensor | None) -> tuple:
-    """The weight packed in `panels` and its bias as the C core reads them."""
-    return matrix("panels", panels.view(-1, PANEL)), None if bias is None else matrix("bias", bias)
 

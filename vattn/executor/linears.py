@@ -1,16 +1,16 @@
 """The served model's linear layers, made faster on the CPU, and given back.
 
-`serve_linears(model, pack, fuse, rows, native)` replaces the model's
+`serve_linears(model, pack, fuse, rows, native_gemm)` replaces the model's
 `nn.Linear`s in place; `ServedLinears.restore()` puts every original module
 back, its weight bit for bit.
 
 - Pack: a weight is reordered once for the GEMM that runs it, so no GEMM
   reorders it on every call: float32 into the panels of vattn's own GEMM
-  (`vattn.engine.gemm`) where the CPU has AVX-512 and `native` is set; else
+  (`vattn.executor.gemm`) where the CPU has AVX-512 and `native_gemm` is set; else
   (and bfloat16) into oneDNN's blocked layout (torch's own mkldnn linear,
   whose pre-packed form inductor's freezing path uses).  CPU only.
 - Fuse: in architectures known to project one input several times in a row
-  (`FUSED`: Q, K and V; gate and up), those linears become one GEMM, and each
+  (`MERGED`: Q, K and V; gate and up), those linears become one GEMM, and each
   original name holds a module that returns its columns of that GEMM's output.
 
 While served, a weight is held once: the original parameter's storage is let
@@ -29,18 +29,18 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+import vattn.executor.gemm as gemm
 from vattn.backends.host import page_out_file_pages, trim_heap
-from vattn.engine import gemm
 
 # model_type -> (the parent module's last name, the linears it calls on one input), in call order
 _LLAMA_LIKE = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
-FUSED = {"llama": _LLAMA_LIKE, "mistral": _LLAMA_LIKE, "qwen2": _LLAMA_LIKE}
+MERGED = {"llama": _LLAMA_LIKE, "mistral": _LLAMA_LIKE, "qwen2": _LLAMA_LIKE}
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def packing(weight: torch.Tensor, native: bool = True) -> str | None:
-    """How `weight` is packed: "native" (vattn's GEMM, where `native`), "onednn", or None (it is not)."""
-    if native and gemm.serves(weight):
+def packing(weight: torch.Tensor, native_gemm: bool = True) -> str | None:
+    """How `weight` is packed: "native" (vattn's GEMM, where `native_gemm`), "onednn", or None (it is not)."""
+    if native_gemm and gemm.serves(weight):
         return "native"
     if weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available() and (
             weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
@@ -52,10 +52,11 @@ class Linear(nn.Module):
     """`x W^T + b` over a weight packed (`packing`: "native" for vattn's
     GEMM, "onednn") or kept as given (None)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, rows: int, native: bool = True):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, rows: int,
+                 native_gemm: bool = True):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.packing = packing(weight, native) if pack else None
+        self.packing = packing(weight, native_gemm) if pack else None
         if self.packing == "native":
             weight = gemm.pack(weight)
         elif self.packing == "onednn":
@@ -96,17 +97,17 @@ class Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packing={self.packing}"
 
 
-class Fused(nn.Module):
+class Merged(nn.Module):
     """One GEMM for linears that read the same input; part `i` gets its
     columns.  The output is computed when a part asks with an input it was not
     computed from (another tensor, or the same one changed in place where
     torch counts versions: not in inference mode), or asks twice, and let go
     once every part has read it."""
 
-    def __init__(self, linears: list[nn.Linear], pack: bool, rows: int, native: bool = True):
+    def __init__(self, linears: list[nn.Linear], pack: bool, rows: int, native_gemm: bool = True):
         super().__init__()
         bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
-        self.gemm = Linear(torch.cat([m.weight for m in linears]), bias, pack, rows, native)
+        self.gemm = Linear(torch.cat([m.weight for m in linears]), bias, pack, rows, native_gemm)
         ends = list(itertools.accumulate(m.out_features for m in linears))
         self.columns = [slice(end - m.out_features, end) for end, m in zip(ends, linears)]
         self._input, self._version, self._output, self._unread = None, -1, None, set()
@@ -124,9 +125,9 @@ class Fused(nn.Module):
 
 
 class Part(nn.Module):
-    """Linear `index` of a `Fused` group, under the original linear's name."""
+    """Linear `index` of a `Merged` group, under the original linear's name."""
 
-    def __init__(self, group: Fused, index: int):
+    def __init__(self, group: Merged, index: int):
         super().__init__()
         self.group, self.index = group, index
 
@@ -176,8 +177,8 @@ class ServedLinears:
 
 
 def serve_linears(model: nn.Module, pack: bool = True, fuse: bool = True, rows: int = 32,
-                  native: bool = True) -> ServedLinears:
-    """Pack (`pack`; with `native`, for vattn's GEMM where it serves) and fuse
+                  native_gemm: bool = True) -> ServedLinears:
+    """Pack (`pack`; with `native_gemm`, for vattn's GEMM where it serves) and fuse
     (`fuse`) the model's linears in place; `rows`: the GEMM rows oneDNN's
     layout is chosen for.  Nothing is changed when neither applies; a failure
     part way leaves the model as it was."""
@@ -187,19 +188,19 @@ def serve_linears(model: nn.Module, pack: bool = True, fuse: bool = True, rows: 
     groups = _fusable(model) if fuse else []
     grouped = {id(m) for _, _, linears in groups for m in linears}
     singles = [(parent, name, m) for parent, name, m in _linears(model)
-               if pack and id(m) not in grouped and packing(m.weight, native)]
+               if pack and id(m) not in grouped and packing(m.weight, native_gemm)]
     owners = defaultdict(set)  # parameter -> the modules that hold it
     for _, module in model.named_modules(remove_duplicate=False):
         for p in module.parameters(recurse=False):
             owners[id(p)].add(id(module))
     try:
         for parent, names, linears in groups:
-            group = Fused(linears, pack, rows, native)
+            group = Merged(linears, pack, rows, native_gemm)
             done.served.append(group.gemm)
             for i, name in enumerate(names):
                 _replace(done, owners, parent, name, Part(group, i), group.gemm, group.columns[i])
         for parent, name, m in singles:
-            served = Linear(m.weight, m.bias, pack, rows, native)
+            served = Linear(m.weight, m.bias, pack, rows, native_gemm)
             done.served.append(served)
             _replace(done, owners, parent, name, served, served, slice(None))
     except BaseException:
@@ -216,7 +217,7 @@ def projections(parent: nn.Module, names: tuple[str, ...]):
     fused them in that order, else each linear and their concatenation."""
     modules = [getattr(parent, n) for n in names]
     group = getattr(modules[0], "group", None)
-    if isinstance(group, Fused) and len(group.columns) == len(modules) and all(
+    if isinstance(group, Merged) and len(group.columns) == len(modules) and all(
             isinstance(m, Part) and m.group is group and m.index == i for i, m in enumerate(modules)):
         return group.gemm
     return lambda x: torch.cat([m(x) for m in modules], -1)
@@ -244,9 +245,9 @@ def _linears(model: nn.Module):
 
 
 def _fusable(model: nn.Module) -> list[tuple[nn.Module, tuple[str, ...], list[nn.Linear]]]:
-    """(parent, names, linears) of each group `FUSED` names for the model's architecture whose
+    """(parent, names, linears) of each group `MERGED` names for the model's architecture whose
     linears match: plain `nn.Linear`s on one input size, device and dtype, all with biases or none."""
-    spec = FUSED.get(getattr(getattr(model, "config", None), "model_type", None), ())
+    spec = MERGED.get(getattr(getattr(model, "config", None), "model_type", None), ())
     groups = []
     for parent_name, parent in model.named_modules():
         for last, names in spec:

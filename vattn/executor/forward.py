@@ -9,18 +9,19 @@ not read, per-layer dispatch through the attention interface and its torch
 operator.  The step is one flat batch of `[T, hidden]` rows; the rotary
 embedding's cos and sin are rows of a table made once (where they depend on
 the position alone); Q and K are rotated together; the final norm and the LM
-head run on the rows that sample only (in the fused forward, the last layer's
-o_proj and MLP too: the other rows' K/V are all the cache needs of them).
+head run on the rows that sample only (in the elementwise forward, the last
+layer's o_proj and MLP too: the other rows' K/V are all the cache needs of
+them).
 
-With `fused` (float32 rows on the host) the work between the GEMMs runs as
-one native call each (`vattn.engine.fused`): RMSNorm with the residual add
-before it, SiLU(gate)·up, the rotary embedding in place.  The logits then
-equal transformers' within float32 rounding (the norm's sum and SiLU's exp
+With `elementwise` (float32 rows on the host) the work between the GEMMs
+runs as one call into the C core each (`vattn.binding`): RMSNorm with the
+residual add before it, SiLU(gate)·up, the rotary embedding in place.  The
+logits then equal transformers' within float32 rounding (the norm's sum and SiLU's exp
 are vattn's own), not bit for bit.  That forward writes its GEMMs' and
 kernels' rows into buffers it keeps (`_Buffers`), so a step allocates almost
 nothing; its logits are overwritten by the next call.  Where vattn's GEMM
 runs every linear and its kernel the attention (float32 on a host with
-AVX-512), all the layers are one native call (`native/decoder.c`): the same
+AVX-512), all the layers are one call (`native/decoder.c`): the same
 kernels in the same order, with no Python between them.
 
 `DecoderForward.of(model)` is None for a model it cannot run as transformers
@@ -35,10 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vattn import _native, attention
-from vattn.attention import native as native_attention
-from vattn.engine import fused, gemm
-from vattn.engine.linears import Linear, projections
+import vattn.binding as binding
+from vattn.attention import AttentionStep, attend
+from vattn.executor.linears import Linear, projections
 
 ARCHITECTURES = {  # model_type -> the class name prefix of its modules
     "llama": "Llama",
@@ -59,11 +59,11 @@ class _Layer:
     down_proj: nn.Module
     scaling: float
     window: int
-    norms: tuple[nn.Module, nn.Module]  # input, post: their weights for the fused kernels
+    norms: tuple[nn.Module, nn.Module]  # input, post: their weights for the elementwise kernels
 
 
 class DecoderForward:
-    """`forward(ids, positions, rows, batch)`: the logits of `rows`."""
+    """`forward(ids, positions, rows, step)`: the logits of `rows`."""
 
     def __init__(self, model: nn.Module, max_positions: int, fuse_elementwise: bool = False):
         inner, config = model.model, model.config
@@ -81,10 +81,12 @@ class DecoderForward:
                               (layer.input_layernorm, layer.post_attention_layernorm))
                        for i, layer in enumerate(inner.layers[:config.num_hidden_layers])]
         norms = [inner.norm, *(norm for layer in self.layers for norm in layer.norms)]
-        self.fused = (fuse_elementwise and self.head_dim % 2 == 0 and self.head_dim <= fused.MAX_HEAD_DIM
-                      and all(fused.serves(w) for w in [inner.embed_tokens.weight, *(n.weight for n in norms)]))
+        self.elementwise = (fuse_elementwise and self.head_dim % 2 == 0
+                            and self.head_dim <= binding.ROTATE_MAX_HEAD_DIM
+                            and all(binding.serves_rows(w) for w in [inner.embed_tokens.weight,
+                                                                     *(n.weight for n in norms)]))
         self._buffers = _Buffers()
-        self._one_call = None  # (cache, *`_layer_arguments` for it)
+        self._one_call = None  # (data plane, *`_layer_arguments` for it)
         rope_type = inner.rotary_emb.rope_type
         self._rotary = None  # `_cos_sin` of every position below max_positions, or None: made each step
         if isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope":
@@ -95,8 +97,8 @@ class DecoderForward:
     @classmethod
     def of(cls, model: nn.Module, max_positions: int, fuse_elementwise: bool = False) -> "DecoderForward | None":
         """The forward for `model` over positions below `max_positions`, or
-        None where it would not be transformers' own; `fuse_elementwise`: the fused
-        kernels where they serve the model's dtype and device."""
+        None where it would not be transformers' own; `fuse_elementwise`: the
+        elementwise kernels where they serve the model's dtype and device."""
         prefix = ARCHITECTURES.get(getattr(model.config, "model_type", None))
         inner = getattr(model, "model", None)
         if prefix is None or type(model).__name__ != f"{prefix}ForCausalLM" or inner is None:
@@ -117,104 +119,99 @@ class DecoderForward:
         return cls(model, max_positions, fuse_elementwise)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                 batch: attention.StepBatch) -> torch.Tensor:
+                 step: AttentionStep) -> torch.Tensor:
         """`ids`, `positions [T]`; `rows`: the rows whose logits come back."""
         T = ids.shape[0]
         h = self.inner.embed_tokens(ids)
         cos, sin = self._cos_sin(h, positions) if self._rotary is None else (t[positions] for t in self._rotary)
-        if self.fused:
-            return self._fused(h, cos, sin, rows, batch)
+        if self.elementwise:
+            return self._elementwise_forward(h, cos, sin, rows, step)
         cos, sin = cos[:, None], sin[:, None]  # against [T, heads, D]
         H, G, D = self.heads, self.kv_heads, self.head_dim
         for layer in self.layers:
             qkv = layer.qkv(layer.input_norm(h)).view(T, H + 2 * G, D)
             qk = _rotate(qkv[:, :H + G], cos, sin)
-            out = attention.attend(batch, layer.index, qk[:, :H], qk[:, H:], qkv[:, H + G:], layer.scaling,
-                                   layer.window)
+            out = attend(step, layer.index, qk[:, :H], qk[:, H:], qkv[:, H + G:], layer.scaling, layer.window)
             h = h + layer.o_proj(out.reshape(T, -1))
             gate_up = layer.gate_up(layer.post_norm(h))
             gate, up = gate_up.tensor_split(2, -1)
             h = h + layer.down_proj(layer.act(gate) * up)
         return self.model.lm_head(self.final_norm(h[rows]))
 
-    def _fused(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
-               batch: attention.StepBatch) -> torch.Tensor:
-        """`__call__` with the fused kernels: every layer in one native call
-        where it runs them (`_one_call_layers`), else a loop of single calls."""
+    def _elementwise_forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
+                             step: AttentionStep) -> torch.Tensor:
+        """`__call__` with the elementwise kernels: every layer in one call into
+        the C core where it runs them (`_one_call_layers`), else a loop of
+        single calls."""
         T, H, G, D, hidden = h.shape[0], self.heads, self.kv_heads, self.head_dim, h.shape[1]
         take = partial(self._buffers.take, like=h)
         # every layer writes the same rows: each site's taken once a step
         width = {"qkv": (H + 2 * G) * D, "attention": H * D, "o": hidden, "gate_up": 2 * self.intermediate,
                  "act": self.intermediate, "down": hidden}
         out = {site: take(site, rows=T, cols=cols) for site, cols in width.items()}
-        layers = self._one_call_layers(batch, rows)
+        layers = self._one_call_layers(step, rows)
         if layers is None:
-            h = self._layer_loop(h, cos, sin, rows, batch, take, *out.values())
+            h = self._layer_loop(h, cos, sin, rows, step, take, *out.values())
         else:
-            batch.checked_writes()  # before the kernels store any K/V
+            writes = step.writes()  # before the kernels store any K/V
             rows_of = {"residual": h, "x": take("x", rows=T, cols=hidden), **out, "cos": cos, "sin": sin}
-            _native.decoder_layers(layers, *(fused.matrix(name, t) for name, t in rows_of.items()), batch.requests(),
-                                   rows.numpy(), H, torch.get_num_threads())
-            batch.record(range(len(self.layers)))
+            binding.decoder_layers(layers, rows_of, step.calls.table, rows, H)
+            for write in writes:  # the kernel stored every layer's K/V
+                step.data.record(write, range(len(self.layers)))
             h = h[:rows.shape[0]]  # the sampled rows' residual stream, gathered there
         head = self.model.lm_head
-        return _gemm(head, _fused_norm(h, self.inner.norm), take("logits", rows=h.shape[0], cols=head.out_features))
+        return _gemm(head, _norm_in_place(h, self.inner.norm), take("logits", rows=h.shape[0], cols=head.out_features))
 
     def _layer_loop(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor,
-                    batch: attention.StepBatch, take: Callable, qkv: torch.Tensor, out: torch.Tensor,
+                    step: AttentionStep, take: Callable, qkv: torch.Tensor, out: torch.Tensor,
                     o: torch.Tensor, gate_up: torch.Tensor, act: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         """The layers, a call at a time, into the step's buffers: `h` is the
         residual stream, `x` each sublayer's input (the norm of h) and then
         its output.  Returns the sampled rows' residual stream."""
         T, H, G, D, hidden = h.shape[0], self.heads, self.kv_heads, self.head_dim, h.shape[1]
         heads = out.view(T, H, D)
-        x = _fused_norm(h.clone(), self.layers[0].norms[0])
+        x = _norm_in_place(h.clone(), self.layers[0].norms[0])
         for layer, after in zip(self.layers, self.layers[1:] + [None]):
             y = _gemm(layer.qkv, x, qkv)
-            fused.rotate(y[:, :(H + G) * D], H + G, cos, sin)
+            binding.rotate(y[:, :(H + G) * D], H + G, cos, sin)
             q, k, v = y.view(T, H + 2 * G, D).split((H, G, G), 1)
-            attention.attend(batch, layer.index, q, k, v, layer.scaling, layer.window, heads)
+            attend(step, layer.index, q, k, v, layer.scaling, layer.window, heads)
             if after is None:  # past the last layer's K/V only the rows that sample are read
                 T = rows.shape[0]
                 out = torch.index_select(out, 0, rows, out=take("sampling", rows=T, cols=H * D))
                 h = torch.index_select(h, 0, rows, out=take("residual", rows=T, cols=hidden))
                 o, gate_up, act, down = o[:T], gate_up[:T], act[:T], down[:T]
-            x = _fused_norm(_gemm(layer.o_proj, out, o), layer.norms[1], h)
-            x = _gemm(layer.down_proj, fused.silu_mul(_gemm(layer.gate_up, x, gate_up), act), down)
+            x = _norm_in_place(_gemm(layer.o_proj, out, o), layer.norms[1], h)
+            x = _gemm(layer.down_proj, binding.silu_mul(_gemm(layer.gate_up, x, gate_up), act), down)
             if after is None:
                 h += x
             else:
-                _fused_norm(x, after.norms[0], h)
+                _norm_in_place(x, after.norms[0], h)
         return h
 
-    def _one_call_layers(self, batch: attention.StepBatch, rows: torch.Tensor) -> tuple | None:
-        """`decoder_layers`' tuple of layers for `batch`'s cache, made once a
-        cache, or None where that call does not run this forward: a GEMM not
-        vattn's, another attention kernel, sampled rows that do not rise."""
-        if self._one_call is None or self._one_call[0] is not batch.cache:
-            self._one_call = (batch.cache, *self._layer_arguments(batch))
+    def _one_call_layers(self, step: AttentionStep, rows: torch.Tensor) -> tuple | None:
+        """`decoder_layers`' layers over the step's cache, made once a cache,
+        or None where that call does not run this forward: a GEMM not vattn's,
+        another attention kernel, sampled rows that do not rise."""
+        if self._one_call is None or self._one_call[0] is not step.data:
+            self._one_call = (step.data, *self._layer_arguments(step))
         layers = self._one_call[1]
         if layers is None or rows.dtype != torch.long or (rows[1:] <= rows[:-1]).any():
             return None
         return layers
 
-    def _layer_arguments(self, batch: attention.StepBatch) -> tuple[tuple | None, list[torch.Tensor]]:
+    def _layer_arguments(self, step: AttentionStep) -> tuple[tuple | None, list[torch.Tensor]]:
         """The layers' arguments (None where the call cannot run them), and
         the tensors at their addresses, kept alive with them."""
-        if batch.kernel.name != "native" or batch.cache.config.dtype != torch.float32:
+        if step.kernel.name != "native" or step.data.config.dtype != torch.float32:
             return None, []
         linears = [m for layer in self.layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)]
         if not all(isinstance(m, Linear) and m.packing == "native" for m in linears):
             return None, []
-        out = []
-        for layer in self.layers:
-            k, v = batch.cache.layer_kv(layer.index)
-            out.append((*(arg for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)
-                          for arg in gemm.arguments(*m.served())),
-                        *(arg for norm in layer.norms for arg in (fused.matrix("norm", norm.weight),
-                                                                  norm.variance_epsilon)),
-                        native_attention.view("k", k, 4), native_attention.view("v", v, 4), layer.scaling,
-                        layer.window))
+        out = [binding.decoder_layer([m.served() for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)],
+                                     [(norm.weight, norm.variance_epsilon) for norm in layer.norms],
+                                     *step.data.views(layer.index), layer.scaling, layer.window)
+               for layer in self.layers]
         keep = [t for m in linears for t in m.served() if t is not None]
         return tuple(out), keep
 
@@ -226,7 +223,7 @@ class DecoderForward:
 
 
 class _Buffers:
-    """The fused forward's output rows: a buffer for each call site, which
+    """The elementwise forward's output rows: a buffer for each call site, which
     every layer and step reuses (each layer reads a site's rows before the
     next writes them).  On the host a fresh tensor each call costs more than a
     decode step's small operators: malloc's search, and new pages faulted in."""
@@ -256,9 +253,9 @@ def _rms_norm(norm: nn.Module, rows: torch.dtype) -> Callable[[torch.Tensor], to
     return norm
 
 
-def _fused_norm(x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """transformers' RMSNorm `norm` of x (of `residual + x`, kept in `residual`), in place by the fused kernel."""
-    return fused.rms_norm(x, norm.weight, norm.variance_epsilon, residual)
+def _norm_in_place(x: torch.Tensor, norm: nn.Module, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' RMSNorm `norm` of x (of `residual + x`, kept in `residual`), in place by the C core's kernel."""
+    return binding.rms_norm(x, norm.weight, norm.variance_epsilon, residual)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
