@@ -5,9 +5,9 @@ A step is: the scheduler's plan (`schedule`), the forward prepared
 background, the forward run (`ModelRunner.run`), then, request by request,
 the scheduler's bookkeeping (`update`), sampling and stop checks, and the
 finished sequences let go.  The engine reaches the cache only through its
-manager (`KVCacheManager`); the runner holds its data plane.  What fails in one request's part ends
-that request with an error (`RequestOutput.error`), all it held freed, and
-nothing else.
+manager (`KVCacheManager`); the runner holds its data plane.  What fails in
+one request's part ends that request with an error (`RequestOutput.error`),
+all it held freed, and nothing else.
 """
 import functools
 import itertools
@@ -132,7 +132,7 @@ class LLMEngine:
                 why = " (the process is at vm.max_map_count)" if self.kv.map_limit_hits else ""
                 raise RuntimeError(f"no request could be scheduled: memory is too short{why}")
             return outputs
-        logits, waited = self._forward(plan.inputs(), plan)
+        logits, waited = self._forward(plan)
         usage, pages = self.kv.usage, self.kv.num_mapped_pages
         outputs += self._advance(plan, logits)
         self.stats.record(time.perf_counter() - start, self.scheduler.map_seconds - mapped_before + waited,
@@ -144,11 +144,12 @@ class LLMEngine:
         """False after three forwards in a row failed, or once the tensor-parallel ranks are down."""
         return self._failed_forwards < UNHEALTHY_AFTER and not (self.group is not None and self.group.closed)
 
-    def _forward(self, inputs: StepInputs, plan: StepPlan) -> tuple[torch.Tensor, float]:
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, float]:
         """(the logits of the rows that sample, the seconds spent on mapping
         the step's critical path waited for: the mapping worker, and a range
         the forward reads whole made readable)."""
         try:
+            inputs = plan.inputs()
             step = self.runner.prepare(inputs)
             self._map_ahead(plan, background=not step.pins_pages)
             try:
