@@ -43,11 +43,16 @@ static inline int isa_supported(Isa isa) {
     }
 }
 
-/* The best instruction set this CPU runs (the baseline at worst). */
+/* The best instruction set this CPU runs (the baseline at worst), asked of the CPU once: the kernels ask
+ * on every call. */
 static inline Isa isa_best(void) {
-    int isa = 0;
-    while (!isa_supported(isa)) isa++;
-    return isa;
+    static int best = -1;  /* one per file that asks; each finds the same */
+    if (best < 0) {
+        int isa = 0;
+        while (!isa_supported(isa)) isa++;
+        best = isa;
+    }
+    return best;
 }
 
 /* static void name_avx512/_avx2/_baseline(const void *, int64_t lo, int64_t hi): `name` (an inline

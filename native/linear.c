@@ -136,7 +136,7 @@ static void panels(const Gemm *g, int64_t s0, int64_t s1) {
 #define FLOATS(r) ((float *)(uintptr_t)(r)->ptr)
 
 /* Built for AVX-512 alone: elsewhere the engine packs for oneDNN. */
-static int serves(void) { return isa_supported(ISA_AVX512); }
+static int serves(void) { return isa_best() == ISA_AVX512; }
 
 static PyObject *linear_serves(PyObject *mod, PyObject *noargs) { return PyBool_FromLong(serves()); }
 
