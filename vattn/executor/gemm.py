@@ -19,7 +19,7 @@ _PAGES = HugePages()  # the packed weights: streamed from memory at a decode ste
 
 def serves(weight: torch.Tensor) -> bool:
     """Whether `weight` can be packed for this GEMM (float32 on a host with AVX-512)."""
-    return weight.dtype == torch.float32 and weight.is_cpu and weight.dim() == 2 and binding.linear_serves()
+    return binding.serves_rows(weight) and weight.dim() == 2 and binding.linear_serves()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
