@@ -50,29 +50,20 @@
 
 enum { BLOCK = 32, TILE = 32, MAX_HEAD_DIM = 256, MIN_SPLIT = 128, SERIAL_ROWS = 1024 };
 enum { ACROSS = TILE / 2 };  /* tiles of more queries than this take them in lanes (probs_across) */
-enum { F32 = 0, BF16 = 1 };
 enum { REQ_SLOT, REQ_START, REQ_LENGTH, REQ_Q_FIRST, REQ_NUM_Q, REQ_FIELDS };
 _Static_assert((int)REQ_FIELDS == (int)ATTEND_FIELDS, "the request table's fields");
 
 /* ------------------------------------------------------------ vector helpers */
 
 INLINE float scalar(const void *row, int64_t d, int bf16) {
-    if (!bf16) return ((const float *)row)[d];
-    uint32_t bits = (uint32_t)((const uint16_t *)row)[d] << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+    return bf16 ? bf16_float(((const uint16_t *)row)[d]) : ((const float *)row)[d];
 }
 
 INLINE void store(void *row, int64_t d, float f, int bf16) {
-    if (!bf16) {
+    if (bf16)
+        ((uint16_t *)row)[d] = float_bf16(f);
+    else
         ((float *)row)[d] = f;
-        return;
-    }
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    uint16_t h = (bits & 0x7fffffff) > 0x7f800000 ? 0x7fc0 : (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
-    ((uint16_t *)row)[d] = h;
 }
 
 INLINE void prefetch_row(const char *row, int64_t nbytes) {
@@ -183,8 +174,7 @@ AVX2 static void run_items_avx2(Call *c) { run_items_w8(c); }
 static void run_items_baseline(Call *c) { run_items_w8(c); }
 static void (*const RUN_ITEMS[NUM_ISAS])(Call *) = {run_items_avx512, run_items_avx2, run_items_baseline};
 
-static Isa isa = ISA_BASELINE;  /* the one attend runs: the best this CPU has (attention_init), or attention_isa's */
-#define run_items_isa RUN_ITEMS[isa]
+#define run_items_isa RUN_ITEMS[kernel_isa]
 
 /* The tile's splits, merged into its output rows. */
 static void merge(const Call *c, const Tile *tile) {
@@ -478,39 +468,9 @@ done:
     return result;
 }
 
-static PyObject *attention_isa(PyObject *mod, PyObject *args) {
-    const char *want = NULL;
-    if (!PyArg_ParseTuple(args, "|z", &want)) return NULL;
-    if (want) {
-        int found = -1;
-        for (int i = 0; i < NUM_ISAS; i++)
-            if (!strcmp(want, ISA_NAMES[i]) && isa_supported(i)) found = i;
-        if (found < 0) {
-            PyObject *names = PyList_New(0);
-            for (int i = 0; names && i < NUM_ISAS; i++)
-                if (isa_supported(i)) {
-                    PyObject *name = PyUnicode_FromString(ISA_NAMES[i]);
-                    if (!name || PyList_Append(names, name)) Py_CLEAR(names);
-                    Py_XDECREF(name);
-                }
-            if (names)
-                PyErr_Format(PyExc_ValueError, "instruction set %R: this CPU runs %R", PyTuple_GET_ITEM(args, 0),
-                             names);
-            Py_XDECREF(names);
-            return NULL;
-        }
-        isa = found;
-    }
-    return PyUnicode_FromString(ISA_NAMES[isa]);
-}
-
-void attention_init(void) { isa = isa_best(); }
-
 PyMethodDef ATTENTION_METHODS[] = {
     {"attend", attend, METH_VARARGS,
      "attend(q, out, k, v, requests, scale, window, threads[, new_k, new_v]): attention of q's tokens over strided K/V "
      "rows into out, after storing each request's new K/V rows where given."},
-    {"attention_isa", attention_isa, METH_VARARGS,
-     "attention_isa([name]): the instruction set attend() runs, after switching to name ('avx2', 'baseline')."},
     {NULL},
 };

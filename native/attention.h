@@ -3,8 +3,7 @@
 
 #include <stdint.h>
 
-/* attend(q, out, k, v, requests, scale, window, threads[, new_k, new_v]) and attention_isa([name]): see
- * attention.c */
+/* attend(q, out, k, v, requests, scale, window, threads[, new_k, new_v]): see attention.c */
 extern PyMethodDef ATTENTION_METHODS[];
 
 /* What the kernel reads of a tensor: address, dtype code (0 float32, 1 bfloat16), sizes, strides in elements */
@@ -26,5 +25,3 @@ int attend_check(const View *q, const View *out, const View *k, const View *v, c
                  const int64_t *reqs, int64_t n, long long window);
 int attend_run(const View *q, const View *out, const View *k, const View *v, const View *nk, const View *nv,
                const int64_t *reqs, int64_t n, double scale, long long window, int threads);
-/* Picks the instruction set from the CPU's features. */
-void attention_init(void);

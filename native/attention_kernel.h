@@ -3,24 +3,7 @@
  * includes it once per width, and compiles each for its instruction sets.
  * The head dimension goes W lanes at a time.
  */
-#define GLUE(a, b) a##b
-#define WIDE(a, b) GLUE(a, b)
-#define NAME(x) WIDE(x, WIDE(_w, W))
-#define vec NAME(vec)
-#define veci NAME(veci)
-#define vec_u NAME(vec_u)
-#define vech_u NAME(vech_u)
-
-typedef float vec __attribute__((vector_size(4 * W)));
-typedef int32_t veci __attribute__((vector_size(4 * W)));
-typedef float vec_u __attribute__((vector_size(4 * W), aligned(1)));
-typedef uint16_t vech_u __attribute__((vector_size(2 * W), aligned(1)));
-
-INLINE vec NAME(load)(const void *row, int64_t d, int bf16) {
-    if (!bf16) return *(const vec_u *)((const float *)row + d);
-    veci wide = __builtin_convertvector(*(const vech_u *)((const uint16_t *)row + d), veci) << 16;
-    return (vec)wide;
-}
+#include "vectors.h"
 
 /* lanes 0-7 plus lanes 8-15 */
 INLINE v8f NAME(fold)(vec x) {
@@ -320,10 +303,3 @@ INLINE void NAME(run_items)(Call *c) {
 #undef QG
 #undef DV
 #undef ROWS
-#undef vec
-#undef veci
-#undef vec_u
-#undef vech_u
-#undef NAME
-#undef WIDE
-#undef GLUE

@@ -9,7 +9,10 @@
  * - instruction sets: each kernel is compiled for those it serves (the
  *   AVX512 and AVX2 target attributes, and the baseline: `PER_ISA`) and keeps
  *   its code in a table indexed by `Isa`, running the entry of the best this
- *   CPU has (`isa_best`; the GEMM is built for AVX-512 alone);
+ *   CPU has (`isa_best`), or the one `isa()` forces (`kernel_isa`); the GEMM
+ *   is built for AVX-512 alone;
+ * - dtypes: float32 and bfloat16 (code 0 and 1), and the conversions
+ *   between them;
  * - threads: `split` shares a range among OpenMP threads, the part of each
  *   `part_start` says.
  */
@@ -55,6 +58,10 @@ static inline Isa isa_best(void) {
     return best;
 }
 
+/* The instruction set the attention and elementwise kernels run: isa_best() unless `isa(name)` (module.c)
+ * forced another the CPU has. */
+extern Isa kernel_isa;
+
 /* static void name_avx512/_avx2/_baseline(const void *, int64_t lo, int64_t hi): `name` (an inline
  * function of those arguments) compiled for each instruction set, and their table `name_isa`. */
 #define PER_ISA(name, ...)                                                                                  \
@@ -63,6 +70,24 @@ static inline Isa isa_best(void) {
     __VA_ARGS__ static void name##_baseline(const void *a, int64_t lo, int64_t hi) { name(a, lo, hi); }      \
     static void (*const name##_isa[NUM_ISAS])(const void *, int64_t, int64_t) = {                            \
         name##_avx512, name##_avx2, name##_baseline}
+
+/* ------------------------------------------------------------ dtypes */
+
+enum { F32 = 0, BF16 = 1 };  /* dtype codes, as vattn/binding.py sends them */
+
+static inline float bf16_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* f rounded to the nearest bfloat16, ties to even, a NaN to the quiet NaN: as torch rounds. */
+static inline uint16_t float_bf16(float f) {
+    uint32_t bits;
+    __builtin_memcpy(&bits, &f, 4);
+    return (bits & 0x7fffffff) > 0x7f800000 ? 0x7fc0 : (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
 
 /* Whether [at, at + len) lies inside [0, n), for len, n >= 0. */
 static inline int inside(int64_t at, int64_t len, int64_t n) { return at >= 0 && len <= n && at <= n - len; }

@@ -16,6 +16,9 @@
  * attention only the sampled rows go on (the others' K/V are all the cache
  * needs of them).
  *
+ * In float32 or bfloat16: the step's rows, the weights and the cache in one
+ * dtype, rounded where the single calls round.
+ *
  * Every argument of every layer is checked before anything is written: a bad
  * call raises ValueError and leaves the buffers and the cache as they were.
  */
@@ -72,6 +75,8 @@ static int parse_layer(PyObject *arg, Layer *l) {
            parse_view(k, "k", 4, &l->k) || parse_view(v, "v", 4, &l->v);
 }
 
+static int64_t esize(const Rows *r) { return r->dtype == BF16 ? 2 : 4; }
+
 /* The first `rows` rows of r. */
 static Rows head(Rows r, int64_t rows) {
     r.rows = rows;
@@ -80,14 +85,14 @@ static Rows head(Rows r, int64_t rows) {
 
 /* Columns [c0, c0 + n) of r. */
 static Rows columns(Rows r, int64_t c0, int64_t n) {
-    r.ptr += c0 * sizeof(float);
+    r.ptr += c0 * esize(&r);
     r.cols = n;
     return r;
 }
 
 /* Rows r as attention's [rows, heads, dim] (heads side by side in a row), from column c0 on. */
 static View heads_of(const Rows *r, int64_t c0, int64_t heads, int64_t dim) {
-    return (View){.ptr = r->ptr + c0 * sizeof(float), .dtype = 0, .shape = {r->rows, heads, dim},
+    return (View){.ptr = r->ptr + c0 * esize(r), .dtype = r->dtype, .shape = {r->rows, heads, dim},
                   .stride = {r->stride, dim, 1}};
 }
 
@@ -123,9 +128,9 @@ static int check(const Layer *layers, int64_t L, const Step *s, const int64_t *s
                nv = heads_of(&s->qkv, (H + G) * D, G, D), out = heads_of(&s->attention, 0, H, D);
     for (int64_t l = 0; l < L; l++) {
         const Layer *y = &layers[l];
-        if (y->k.dtype != 0 || y->k.shape[2] != G || y->k.shape[3] != D)
-            return FAIL("layer %lld: its cache is not float32 [slots, rows, %lld, %lld]", (long long)l,
-                        (long long)G, (long long)D);
+        if (y->k.dtype != s->residual.dtype || y->k.shape[2] != G || y->k.shape[3] != D)
+            return FAIL("layer %lld: its cache is not [slots, rows, %lld, %lld] of the residual's dtype (code %d)",
+                        (long long)l, (long long)G, (long long)D, s->residual.dtype);
         if (linear_check(&s->qkv, l ? &s->down : &s->x, &y->qkv, bias(&y->qkv_b)) ||
             attend_check(&q, &out, &y->k, &y->v, &nk, &nv, table, n, y->window) ||
             linear_check(&s->o, &s->attention, &y->o, bias(&y->o_b)) ||
@@ -148,34 +153,41 @@ static int check(const Layer *layers, int64_t L, const Step *s, const int64_t *s
 
 /* Rows sampled[i] of r moved to row i: sampled rises, so no row is read after it is written. */
 static void gather(const Rows *r, const int64_t *sampled, int64_t R) {
-    float *base = (float *)(uintptr_t)r->ptr;
+    char *base = (char *)(uintptr_t)r->ptr;
+    const int64_t row = r->stride * esize(r);
     for (int64_t i = 0; i < R; i++)
-        if (sampled[i] != i) memcpy(base + i * r->stride, base + sampled[i] * r->stride, r->cols * sizeof(float));
+        if (sampled[i] != i) memcpy(base + i * row, base + sampled[i] * row, r->cols * esize(r));
 }
 
+/* y += x, rows of one dtype (bfloat16: each sum rounded, as torch's add) */
 static void add_rows(const Rows *y, const Rows *x) {
-    for (int64_t i = 0; i < y->rows; i++) {
-        float *a = (float *)(uintptr_t)y->ptr + i * y->stride;
-        const float *b = (const float *)(uintptr_t)x->ptr + i * x->stride;
-        for (int64_t j = 0; j < y->cols; j++) a[j] += b[j];
-    }
+    for (int64_t i = 0; i < y->rows; i++)
+        for (int64_t j = 0; j < y->cols; j++)
+            if (y->dtype == BF16) {
+                uint16_t *a = (uint16_t *)(uintptr_t)y->ptr + i * y->stride;
+                const uint16_t *b = (const uint16_t *)(uintptr_t)x->ptr + i * x->stride;
+                a[j] = float_bf16(bf16_float(a[j]) + bf16_float(b[j]));
+            } else {
+                ((float *)(uintptr_t)y->ptr)[i * y->stride + j] += ((const float *)(uintptr_t)x->ptr)[i * x->stride + j];
+            }
 }
 
-/* The layers; -1 where the attention ran out of memory. */
+/* The layers; -1 where the attention or a GEMM ran out of memory. */
 static int run(const Layer *layers, int64_t L, const Step *s, const int64_t *sampled, int64_t R,
                const int64_t *table, int64_t n, long long H, int threads) {
     const int64_t G = layers[0].k.shape[2], D = layers[0].k.shape[3];
     int64_t T = s->residual.rows;
     for (int64_t i = 0; i < T; i++)
-        memcpy((float *)(uintptr_t)s->x.ptr + i * s->x.stride,
-               (const float *)(uintptr_t)s->residual.ptr + i * s->residual.stride, s->x.cols * sizeof(float));
+        memcpy((char *)(uintptr_t)s->x.ptr + i * s->x.stride * esize(&s->x),
+               (const char *)(uintptr_t)s->residual.ptr + i * s->residual.stride * esize(&s->residual),
+               s->x.cols * esize(&s->x));
     norm_run(&s->x, NULL, &layers[0].input_norm, (float)layers[0].input_eps, threads);
     const Rows qk = columns(s->qkv, 0, (H + G) * D);
     const View q = heads_of(&s->qkv, 0, H, D), nk = heads_of(&s->qkv, H * D, G, D),
                nv = heads_of(&s->qkv, (H + G) * D, G, D), out = heads_of(&s->attention, 0, H, D);
     for (int64_t l = 0; l < L; l++) {
         const Layer *y = &layers[l];
-        linear_run(&s->qkv, l ? &s->down : &s->x, &y->qkv, bias(&y->qkv_b), threads);
+        if (linear_run(&s->qkv, l ? &s->down : &s->x, &y->qkv, bias(&y->qkv_b), threads)) return -1;
         rotate_run(&qk, H + G, &s->cos, &s->sin, threads);
         if (attend_run(&q, &out, &y->k, &y->v, &nk, &nv, table, n, y->scale, y->window, threads)) return -1;
         if (l + 1 == L) {
@@ -185,15 +197,15 @@ static int run(const Layer *layers, int64_t L, const Step *s, const int64_t *sam
         }
         const Rows attention = head(s->attention, T), residual = head(s->residual, T), o = head(s->o, T),
                    gate_up = head(s->gate_up, T), act = head(s->act, T), down = head(s->down, T);
-        linear_run(&o, &attention, &y->o, bias(&y->o_b), threads);
+        if (linear_run(&o, &attention, &y->o, bias(&y->o_b), threads)) return -1;
         norm_run(&o, &residual, &y->post_norm, (float)y->post_eps, threads);
         if (gated(s)) {
-            linear_silu_mul_run(&act, &o, &y->gate_up, bias(&y->gate_up_b), threads);
+            if (linear_silu_mul_run(&act, &o, &y->gate_up, bias(&y->gate_up_b), threads)) return -1;
         } else {
-            linear_run(&gate_up, &o, &y->gate_up, bias(&y->gate_up_b), threads);
+            if (linear_run(&gate_up, &o, &y->gate_up, bias(&y->gate_up_b), threads)) return -1;
             silu_mul_run(&act, &gate_up, threads);
         }
-        linear_run(&down, &act, &y->down, bias(&y->down_b), threads);
+        if (linear_run(&down, &act, &y->down, bias(&y->down_b), threads)) return -1;
         if (l + 1 < L)
             norm_run(&down, &residual, &layers[l + 1].input_norm, (float)layers[l + 1].input_eps, threads);
         else

@@ -1,30 +1,38 @@
 /*
- * The engine's float32 GEMM on the host, y = x W^T (+ b), over a weight
- * packed once into panels of PANEL output columns: panel p holds, for each
- * of the K inputs in turn, the weights of columns p*PANEL.. side by side
- * (zeros past the last column).  A block of up to MAX_ROWS rows of x times
- * one panel is 24 AVX-512 accumulators, each step over K one broadcast of an
- * x value against three vectors of weights; the panel, read from memory for
- * the first block, stays in L2 for the others.  The threads share the
- * panels, so each weight is read once a call at any number of rows.
+ * The engine's GEMM on the host, y = x W^T (+ b), in float32 or bfloat16
+ * (every matrix in one dtype; sums in float32, a bfloat16 output rounded
+ * once), over a weight packed once into panels of PANEL output columns:
+ * panel p holds, for each of the K inputs in turn, the weights of columns
+ * p*PANEL.. side by side (zeros past the last column).  A block of up to
+ * MAX_ROWS rows of x times one panel is 24 AVX-512 accumulators (AVX2: four
+ * rows, the panel in two passes of 12), each step over K one broadcast of
+ * an x value against three vectors of weights (bfloat16 ones widened as
+ * loaded); the panel, read from memory for the first block, stays in L2
+ * for the others.  The threads share the panels, so each weight is read once
+ * a call at any number of rows.
  *
  * Gated (`linear_silu_mul_run`, the MLP's gate and up projections packed as
  * one weight [gate; up]): each gate panel's outputs are stored, and the
  * matching up panel, computed next by the same thread, turns them into
- * silu(gate) * up as ops.c's silu_mul does, bit for bit.  The [gate | up]
- * rows are never written, nor read again.
+ * silu(gate) * up as ops.c's silu_mul does, bit for bit (in bfloat16,
+ * rounding gate, up and silu(gate) as the separate calls do).  The
+ * [gate | up] rows are never written, nor read again.
  *
  * Loads are unaligned, so any address serves.  On the CPUs measured
  * (benchmarks/README.md, `vattn bench linears`) oneDNN's packed inner product
- * and vLLM's linear stream the weights slower at the few rows of a decode
- * step, which is why the engine carries its own.  AVX-512 only: elsewhere the
- * engine packs for oneDNN instead (`linear_serves()` says which).
+ * and vLLM's linear stream float32 weights slower at the few rows of a decode
+ * step, which is why the engine carries its own where the CPU has AVX-512
+ * (`linear_serves()`); elsewhere oneDNN runs float32.  In bfloat16 the
+ * engine runs it where oneDNN does not pack bfloat16 (CPUs without AVX-512):
+ * torch's own bfloat16 linear there is several times slower.  It runs on the
+ * kernels' instruction set (`kernel_isa`).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -34,7 +42,7 @@
 #include "vector_math.h"
 
 enum {
-    VECTORS = 3,           /* vectors of 16 floats across a panel */
+    VECTORS = 3,           /* vectors a pass: of 16 floats, a panel; of 8, half a panel */
     PANEL = 16 * VECTORS,  /* output columns a panel */
     MAX_ROWS = 8,          /* rows of x a block: MAX_ROWS * VECTORS accumulators */
     CHUNK = 192,           /* rows of x the threads take through every panel at once */
@@ -43,12 +51,13 @@ enum {
 
 const int LINEAR_PANEL = PANEL;
 
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-
 typedef struct {
-    const float *x, *panels, *bias;
-    float *y;
-    int64_t rows, n, k, x_stride, y_stride;
+    const float *x;  /* float32: bfloat16 rows widened once a call */
+    const char *panels, *bias;
+    char *y;
+    int bf16;      /* the weights, bias and y bfloat16 (else float32) */
+    int max_rows;  /* rows of x a block at this instruction set's width */
+    int64_t rows, n, k, x_stride, y_stride;  /* strides in elements */
     int64_t up;  /* gated: the first up panel (the gate's panels come before it); 0: not gated */
 } Gemm;
 
@@ -58,46 +67,40 @@ typedef struct {
     int per;
 } Ahead;
 
-/* y rows [0, R) from panel `w` (its outputs [col, col + cols)) and x rows [0, R): R a constant per
- * copy.  `up`: the panel is a gated GEMM's up panel, and y holds its gate panel's outputs. */
-#define BLOCK(R)                                                                                            \
-    AVX512 static void block##R(const Gemm *g, const float *x, const float *w, float *y, int64_t col,       \
-                                int64_t cols, Ahead ahead, int up) {                                        \
-        v16f acc[R][VECTORS];                                                                               \
-        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++)                                                 \
-            _Pragma("GCC unroll 3") for (int j = 0; j < VECTORS; j++) acc[i][j] = (v16f){};                 \
-        for (int64_t d = 0; d < g->k; d++, w += PANEL) {                                                    \
-            for (int u = 0; u < ahead.per && ahead.at < ahead.end; u++, ahead.at += 64)                     \
-                __builtin_prefetch(ahead.at, 0, 2);                                                         \
-            v16f wv[VECTORS];                                                                               \
-            _Pragma("GCC unroll 3") for (int j = 0; j < VECTORS; j++) wv[j] = *(const v16u *)(w + 16 * j); \
-            _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                           \
-                const float xv = x[i * g->x_stride + d];                                                    \
-                _Pragma("GCC unroll 3") for (int j = 0; j < VECTORS; j++) acc[i][j] += xv * wv[j];          \
-            }                                                                                               \
-        }                                                                                                   \
-        for (int i = 0; i < R; i++) {                                                                       \
-            float *row = y + i * g->y_stride;                                                               \
-            if (up) { /* silu(gate) * up, as silu_mul_row computes it */                                    \
-                _Pragma("GCC unroll 3") for (int j = 0; j < VECTORS; j++) {                                 \
-                    const v16f gate = *(const v16u *)(row + 16 * j);                                        \
-                    *(v16u *)(row + 16 * j) = gate / (1.0f + vexp(-gate)) *                                 \
-                        (g->bias ? acc[i][j] + *(const v16u *)(g->bias + col + 16 * j) : acc[i][j]);        \
-                }                                                                                           \
-            } else if (cols == PANEL) {                                                                     \
-                _Pragma("GCC unroll 3") for (int j = 0; j < VECTORS; j++) *(v16u *)(row + 16 * j) =         \
-                    g->bias ? acc[i][j] + *(const v16u *)(g->bias + col + 16 * j) : acc[i][j];              \
-            } else { /* the last panel's columns */                                                         \
-                float out[PANEL];                                                                           \
-                for (int j = 0; j < VECTORS; j++) *(v16u *)(out + 16 * j) = acc[i][j];                      \
-                for (int64_t c = 0; c < cols; c++) row[c] = out[c] + (g->bias ? g->bias[col + c] : 0.0f);   \
-            }                                                                                               \
-        }                                                                                                   \
-    }
-BLOCK(1) BLOCK(2) BLOCK(3) BLOCK(4) BLOCK(5) BLOCK(6) BLOCK(7) BLOCK(8)
+/* The block at 16 lanes (AVX-512) and at 8 (AVX2, the baseline). */
+#define W 16
+#include "linear_kernel.h"
+#undef W
+#define W 8
+#include "linear_kernel.h"
+#undef W
 
-typedef void (*block_fn)(const Gemm *, const float *, const float *, float *, int64_t, int64_t, Ahead, int);
-static const block_fn BLOCKS[MAX_ROWS + 1] = {NULL, block1, block2, block3, block4, block5, block6, block7, block8};
+typedef void (*block_fn)(const Gemm *, const float *, const char *, char *, int64_t, int64_t, Ahead, int);
+enum { ROWS_W8 = 4 };  /* rows a block at 8 lanes: 12 accumulators of 16 registers */
+
+/* block_<isa>_<R>_<dtype>: the block for R rows, compiled for an instruction set */
+#define BLOCK(isa, TARGET, width, R, dtype, bf16)                                                            \
+    TARGET static void block_##isa##_##R##_##dtype(const Gemm *g, const float *x, const char *w, char *y,    \
+                                                   int64_t col, int64_t cols, Ahead ahead, int up) {        \
+        block_w##width(g, x, w, y, col, cols, ahead, up, R, bf16);                                          \
+    }
+#define DTYPES(isa, TARGET, width, R) BLOCK(isa, TARGET, width, R, f32, 0) BLOCK(isa, TARGET, width, R, bf16, 1)
+#define FOUR(isa, TARGET, width) \
+    DTYPES(isa, TARGET, width, 1) DTYPES(isa, TARGET, width, 2) DTYPES(isa, TARGET, width, 3) DTYPES(isa, TARGET, width, 4)
+FOUR(avx512, AVX512, 16)
+DTYPES(avx512, AVX512, 16, 5) DTYPES(avx512, AVX512, 16, 6) DTYPES(avx512, AVX512, 16, 7) DTYPES(avx512, AVX512, 16, 8)
+FOUR(avx2, AVX2, 8)
+FOUR(baseline, , 8)
+
+#define ROW(isa, dtype, R) block_##isa##_##R##_##dtype
+#define UP_TO_4(isa, dtype) NULL, ROW(isa, dtype, 1), ROW(isa, dtype, 2), ROW(isa, dtype, 3), ROW(isa, dtype, 4)
+/* BLOCKS[isa][bf16][R] */
+static const block_fn BLOCKS[NUM_ISAS][2][MAX_ROWS + 1] = {
+    {{UP_TO_4(avx512, f32), ROW(avx512, f32, 5), ROW(avx512, f32, 6), ROW(avx512, f32, 7), ROW(avx512, f32, 8)},
+     {UP_TO_4(avx512, bf16), ROW(avx512, bf16, 5), ROW(avx512, bf16, 6), ROW(avx512, bf16, 7), ROW(avx512, bf16, 8)}},
+    {{UP_TO_4(avx2, f32)}, {UP_TO_4(avx2, bf16)}},
+    {{UP_TO_4(baseline, f32)}, {UP_TO_4(baseline, bf16)}},
+};
 
 /* The panel at step s of the walk over the panels: panel s; gated, gate panel s / 2 and then its up panel. */
 static int64_t panel_at(const Gemm *g, int64_t s) { return g->up ? s / 2 + (s % 2) * g->up : s; }
@@ -107,10 +110,12 @@ static int64_t panel_at(const Gemm *g, int64_t s) { return g->up ? s / 2 + (s % 
  * block waits on memory while the others leave it idle, every block of a step's panel asks for its
  * share of the next step's. */
 static void panels(const Gemm *g, int64_t s0, int64_t s1) {
-    const int64_t lines = mul_sat(g->k, PANEL * sizeof(float) / 64);  /* a panel's cache lines */
+    const int64_t esize = g->bf16 ? 2 : 4, panel_bytes = mul_sat(g->k, PANEL * esize);
+    const int64_t lines = panel_bytes / 64;  /* a panel's cache lines (PANEL * esize: a multiple of 32 bytes) */
+    const block_fn *block = BLOCKS[kernel_isa][g->bf16];
     for (int64_t c = 0; c < g->rows; c += CHUNK) {
         const int64_t rows = g->rows - c < CHUNK ? g->rows - c : CHUNK;
-        const int64_t blocks = (rows + MAX_ROWS - 1) / MAX_ROWS, size = (rows + blocks - 1) / blocks;
+        const int64_t blocks = ceil_div(rows, g->max_rows), size = ceil_div(rows, blocks);
         const int64_t share = ceil_div(lines, blocks);  /* lines a block asks for */
         const int per = blocks > 1 ? (int)ceil_div(share, g->k) : 0;
         for (int64_t s = s0; s < s1; s++) {
@@ -120,12 +125,12 @@ static void panels(const Gemm *g, int64_t s0, int64_t s1) {
                 const int64_t R = c + rows - r < size ? c + rows - r : size;
                 Ahead ahead = {0};  /* none past the thread's last panel */
                 if (s + 1 < s1) {
-                    const char *next = (const char *)(g->panels + panel_at(g, s + 1) * g->k * PANEL);
+                    const char *next = g->panels + panel_at(g, s + 1) * panel_bytes;
                     const int64_t from = b * share < lines ? b * share : lines;
                     ahead = (Ahead){next + 64 * from, next + 64 * (from + share < lines ? from + share : lines), per};
                 }
-                BLOCKS[R](g, g->x + r * g->x_stride, g->panels + p * g->k * PANEL, g->y + r * g->y_stride + ycol,
-                          col, cols, ahead, g->up && s % 2);
+                block[R](g, g->x + r * g->x_stride, g->panels + p * panel_bytes,
+                         g->y + (r * g->y_stride + ycol) * esize, col, cols, ahead, g->up && s % 2);
             }
         }
     }
@@ -133,16 +138,16 @@ static void panels(const Gemm *g, int64_t s0, int64_t s1) {
 
 /* ------------------------------------------------------------ the call */
 
-#define FLOATS(r) ((float *)(uintptr_t)(r)->ptr)
+#define BYTES(r) ((char *)(uintptr_t)(r)->ptr)
 
-/* Built for AVX-512 alone: elsewhere the engine packs for oneDNN. */
-static int serves(void) { return isa_best() == ISA_AVX512; }
-
-static PyObject *linear_serves(PyObject *mod, PyObject *noargs) { return PyBool_FromLong(serves()); }
+/* Whether float32 weights are the engine's to run here (AVX-512): elsewhere oneDNN runs them faster. */
+static PyObject *linear_serves(PyObject *mod, PyObject *noargs) { return PyBool_FromLong(isa_best() == ISA_AVX512); }
 
 /* y's rows from x's through the weight of n outputs packed in w (with bias b). */
 static int check(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int64_t n) {
-    if (!serves()) return FAIL("linear runs on CPUs with AVX-512; this one has none");
+    if (y->dtype != x->dtype || w->dtype != x->dtype || (b && b->dtype != x->dtype))
+        return FAIL("out, x, the panels and the bias must have one dtype (codes %d, %d, %d, %d)", y->dtype,
+                    x->dtype, w->dtype, b ? b->dtype : x->dtype);
     const int64_t k = x->cols, panel_rows = mul_sat(ceil_div(n, PANEL), k);
     if (y->rows != x->rows) return FAIL("out has %lld rows; x has %lld", y->rows, x->rows);
     if (w->cols != PANEL || w->stride != PANEL || w->rows != panel_rows)
@@ -178,20 +183,43 @@ static void run(const Gemm *g, int threads) {
     split(units, g, n, threads);
 }
 
-static Gemm gemm_of(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int64_t n) {
-    return (Gemm){.x = FLOATS(x), .panels = FLOATS(w), .bias = b ? FLOATS(b) : NULL, .y = FLOATS(y),
-                  .rows = x->rows, .n = n, .k = x->cols, .x_stride = x->stride, .y_stride = y->stride};
+/* The GEMM of y, x, w, b for n outputs; bfloat16 x widened into *widened (malloc'd; NULL: float32 x).
+ * -1: out of memory. */
+static int gemm_of(Gemm *g, const Rows *y, const Rows *x, const Rows *w, const Rows *b, int64_t n, float **widened) {
+    *g = (Gemm){.x = (const float *)BYTES(x), .panels = BYTES(w), .bias = b ? BYTES(b) : NULL, .y = BYTES(y),
+                .bf16 = x->dtype == BF16, .max_rows = kernel_isa == ISA_AVX512 ? MAX_ROWS : ROWS_W8,
+                .rows = x->rows, .n = n, .k = x->cols, .x_stride = x->stride, .y_stride = y->stride};
+    *widened = NULL;
+    if (!g->bf16) return 0;
+    size_t bytes;
+    if (__builtin_mul_overflow((size_t)(x->rows ? x->rows : 1), (size_t)x->cols * sizeof(float), &bytes) ||
+        !(*widened = malloc(bytes ? bytes : 1)))
+        return -1;
+    for (int64_t i = 0; i < x->rows; i++)
+        for (int64_t d = 0; d < x->cols; d++)
+            (*widened)[i * x->cols + d] = bf16_float(((const uint16_t *)BYTES(x))[i * x->stride + d]);
+    g->x = *widened;
+    g->x_stride = x->cols;
+    return 0;
 }
 
-void linear_run(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int threads) {
-    const Gemm g = gemm_of(y, x, w, b, y->cols);
+int linear_run(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int threads) {
+    Gemm g;
+    float *widened;
+    if (gemm_of(&g, y, x, w, b, y->cols, &widened)) return -1;
     run(&g, threads);
+    free(widened);
+    return 0;
 }
 
-void linear_silu_mul_run(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int threads) {
-    Gemm g = gemm_of(y, x, w, b, mul_sat(2, y->cols));
+int linear_silu_mul_run(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int threads) {
+    Gemm g;
+    float *widened;
+    if (gemm_of(&g, y, x, w, b, mul_sat(2, y->cols), &widened)) return -1;
     g.up = y->cols / PANEL;
     run(&g, threads);
+    free(widened);
+    return 0;
 }
 
 static PyObject *linear(PyObject *mod, PyObject *args) {
@@ -204,10 +232,11 @@ static PyObject *linear(PyObject *mod, PyObject *args) {
     if (parse_rows(ya, "out", &y) || parse_rows(xa, "x", &x) || parse_rows(pa, "panels", &w) ||
         (b && parse_rows(ba, "bias", &bias)) || linear_check(&y, &x, &w, b))
         return NULL;
+    int failed;
     Py_BEGIN_ALLOW_THREADS
-    linear_run(&y, &x, &w, b, threads);
+    failed = linear_run(&y, &x, &w, b, threads);
     Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
+    return failed ? PyErr_NoMemory() : Py_NewRef(Py_None);
 }
 
 PyMethodDef LINEAR_METHODS[] = {
@@ -215,6 +244,6 @@ PyMethodDef LINEAR_METHODS[] = {
      "linear(out, x, panels, bias, threads): out <- x W^T + bias (None: no bias), W packed in panels of "
      "LINEAR_PANEL columns."},
     {"linear_serves", linear_serves, METH_NOARGS,
-     "Whether this CPU runs linear() (it needs AVX-512)."},
+     "Whether float32 weights are linear()'s to run on this CPU (it has AVX-512): elsewhere oneDNN's."},
     {NULL},
 };

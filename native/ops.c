@@ -1,6 +1,7 @@
 /*
  * The engine forward's elementwise work between its GEMMs, one pass each,
- * over float32 rows (each row contiguous, the rows any stride apart):
+ * over float32 or bfloat16 rows (each row contiguous, the rows any stride
+ * apart; every argument of a call in one dtype):
  *
  *   rms_norm     x <- w * (h * rsqrt(mean(h^2) + eps)), h = x, or with a
  *                residual h = residual + x, stored back into the residual;
@@ -10,11 +11,15 @@
  *
  * Each is one call where transformers' modules take two to eight operators
  * (a cost paid again after every GEMM, whose weights push the operators'
- * code and data out of the caches).  rotate rounds as transformers does
- * (each product, then their sum: no fused multiply-add), so it is exact;
- * rms_norm's sum and silu's exp are vattn's own, equal to within a few
- * units in the last place.  Rows are shared among OpenMP threads once there
- * are enough of them; the GIL is released.
+ * code and data out of the caches).  Sums and products are float32; in
+ * bfloat16 a value is rounded where transformers' operators round it (the
+ * residual sum, the normalized row before the weight, silu before the
+ * product, each rotary product), so the results are theirs but for the
+ * float32 sum's order and exp's last place.  rotate rounds as transformers
+ * does (each product, then their sum: no fused multiply-add); rms_norm's
+ * sum and silu's exp are vattn's own, equal to within a few units in the
+ * last place.  Rows are shared among OpenMP threads once there are enough
+ * of them; the GIL is released.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -28,130 +33,204 @@
 
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-enum { W = 16, PARALLEL_FLOATS = 1 << 16 };  /* below that many floats, one thread */
+enum { W = 16, PARALLEL_FLOATS = 1 << 16 };  /* below that many values, one thread */
 
 typedef v16f vec;
+typedef uint32_t vecu __attribute__((vector_size(4 * W)));
 typedef float vec_u __attribute__((vector_size(4 * W), aligned(4)));
+typedef uint16_t half_u __attribute__((vector_size(2 * W), aligned(2)));
 
-INLINE vec load(const float *p) { return *(const vec_u *)p; }
-INLINE void put(float *p, vec x) { *(vec_u *)p = x; }
+/* W values from element d of a row of float32 (bf16 0) or bfloat16 (1) */
+INLINE vec load(const void *row, int64_t d, int bf16) {
+    if (!bf16) return *(const vec_u *)((const float *)row + d);
+    return (vec)(__builtin_convertvector(*(const half_u *)((const uint16_t *)row + d), vecu) << 16);
+}
+
+/* x's bfloat16 bits (float_bf16, lane by lane) in the high halves */
+INLINE vecu rounded(vec x) {
+    const vecu bits = (vecu)x, nan = ((bits & 0x7fffffff) > 0x7f800000);
+    return (((bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000) & ~nan) | (0x7fc00000 & nan);
+}
+
+/* x rounded to bfloat16 where bf16, as a float32 */
+INLINE vec round_to(vec x, int bf16) { return bf16 ? (vec)rounded(x) : x; }
+
+INLINE void put(void *row, int64_t d, vec x, int bf16) {
+    if (bf16)
+        *(half_u *)((uint16_t *)row + d) = __builtin_convertvector(rounded(x) >> 16, half_u);
+    else
+        *(vec_u *)((float *)row + d) = x;
+}
+
+INLINE float get1(const void *row, int64_t d, int bf16) {
+    return bf16 ? bf16_float(((const uint16_t *)row)[d]) : ((const float *)row)[d];
+}
+
+INLINE float round1(float f, int bf16) { return bf16 ? bf16_float(float_bf16(f)) : f; }
+
+INLINE void put1(void *row, int64_t d, float f, int bf16) {
+    if (bf16)
+        ((uint16_t *)row)[d] = float_bf16(f);
+    else
+        ((float *)row)[d] = f;
+}
 
 /* ------------------------------------------------------------ the rows */
 
-INLINE void norm_row(float *x, float *residual, const float *w, int64_t n, float eps) {
+INLINE void norm_row(void *x, void *residual, const void *w, int64_t n, float eps, int bf16) {
     vec acc = {};
     int64_t d = 0;
     for (; d + W <= n; d += W) {
-        vec h = load(x + d);
+        vec h = load(x, d, bf16);
         if (residual) {
-            h += load(residual + d);
-            put(residual + d, h);
+            h = round_to(h + load(residual, d, bf16), bf16);
+            put(residual, d, h, bf16);
         }
         acc += h * h;
     }
     float ss = 0;
     for (int i = 0; i < W; i++) ss += acc[i];
     for (; d < n; d++) {
-        float h = x[d] + (residual ? residual[d] : 0.0f);
-        if (residual) residual[d] = h;
+        float h = get1(x, d, bf16);
+        if (residual) {
+            h = round1(h + get1(residual, d, bf16), bf16);
+            put1(residual, d, h, bf16);
+        }
         ss += h * h;
     }
     const float r = 1.0f / sqrtf(ss / (float)n + eps);
-    const float *h = residual ? residual : x;
-    for (d = 0; d + W <= n; d += W) put(x + d, load(w + d) * (load(h + d) * r));
-    for (; d < n; d++) x[d] = w[d] * (h[d] * r);
+    const void *h = residual ? residual : x;
+    for (d = 0; d + W <= n; d += W) put(x, d, load(w, d, bf16) * round_to(load(h, d, bf16) * r, bf16), bf16);
+    for (; d < n; d++) put1(x, d, get1(w, d, bf16) * round1(get1(h, d, bf16) * r, bf16), bf16);
 }
 
-INLINE void silu_mul_row(float *out, const float *gate_up, int64_t n) {
+INLINE void silu_mul_row(void *out, const void *gate_up, int64_t n, int bf16) {
+    const int64_t esize = bf16 ? 2 : 4;
+    const void *up = (const char *)gate_up + n * esize;
     int64_t d = 0;
     for (; d + W <= n; d += W) {
-        vec g = load(gate_up + d);
-        put(out + d, g / (1.0f + vexp(-g)) * load(gate_up + n + d));
+        vec g = load(gate_up, d, bf16);
+        put(out, d, round_to(g / (1.0f + vexp(-g)), bf16) * load(up, d, bf16), bf16);
     }
-    for (; d < n; d++) out[d] = gate_up[d] / (1.0f + expf(-gate_up[d])) * gate_up[n + d];
+    for (; d < n; d++) {
+        float g = get1(gate_up, d, bf16);
+        put1(out, d, round1(g / (1.0f + expf(-g)), bf16) * get1(up, d, bf16), bf16);
+    }
 }
 
 /* each product rounds, then their sum (no fused multiply-add), as transformers' operators do */
-INLINE void rotate_row(float *x, const float *cos, const float *sin, int64_t heads, int64_t dim) {
-    const int64_t half = dim / 2;
-    for (int64_t h = 0; h < heads; h++, x += dim) {
+INLINE void rotate_row(void *x, const void *cos, const void *sin, int64_t heads, int64_t dim, int bf16) {
+    const int64_t half = dim / 2, esize = bf16 ? 2 : 4;
+    for (int64_t h = 0; h < heads; h++, x = (char *)x + dim * esize) {
         float first[128];  /* x1, read before the second half overwrites it */
-        for (int64_t d = 0; d < half; d++) first[d] = x[d];
+        for (int64_t d = 0; d < half; d++) first[d] = get1(x, d, bf16);
         for (int64_t d = 0; d < half; d++) {
-            float a = x[d] * cos[d], b = x[half + d] * sin[d];
-            x[d] = a + b;
+            float a = round1(first[d] * get1(cos, d, bf16), bf16),
+                  b = round1(get1(x, half + d, bf16) * get1(sin, d, bf16), bf16);
+            put1(x, d, a + b, bf16);
         }
         for (int64_t d = 0; d < half; d++) {
-            float a = x[half + d] * cos[half + d], b = first[d] * sin[half + d];
-            x[half + d] = a + b;
+            float a = round1(get1(x, half + d, bf16) * get1(cos, half + d, bf16), bf16),
+                  b = round1(first[d] * get1(sin, half + d, bf16), bf16);
+            put1(x, half + d, a + b, bf16);
         }
     }
 }
 
 typedef struct {
-    float *x;        /* the rows an op writes */
-    float *y;        /* its other rows: rms_norm's residual, silu_mul's gate_up */
-    const float *w, *cos, *sin;
-    int64_t x_stride, y_stride, cos_stride, sin_stride, cols, heads;
+    char *x;        /* the rows an op writes */
+    char *y;        /* its other rows: rms_norm's residual, silu_mul's gate_up */
+    const char *w, *cos, *sin;
+    int64_t x_stride, y_stride, cos_stride, sin_stride, cols, heads;  /* strides in bytes */
     float eps;
+    int bf16;
 } Args;
 
-/* Rows [lo, hi) of each op, compiled for each instruction set (`PER_ISA`). */
+/* Rows [lo, hi) of each op, each dtype its own copy, compiled for each instruction set (`PER_ISA`). */
+#define EACH_DTYPE(call) \
+    if (a->bf16)         \
+        call(1);         \
+    else                 \
+        call(0)
+
 INLINE void norm_rows(const void *args, int64_t lo, int64_t hi) {
     const Args *a = args;
-    for (int64_t i = lo; i < hi; i++)
-        norm_row(a->x + i * a->x_stride, a->y ? a->y + i * a->y_stride : NULL, a->w, a->cols, a->eps);
+#define NORM(bf16)                                                                                          \
+    for (int64_t i = lo; i < hi; i++)                                                                      \
+    norm_row(a->x + i * a->x_stride, a->y ? a->y + i * a->y_stride : NULL, a->w, a->cols, a->eps, bf16)
+    EACH_DTYPE(NORM);
+#undef NORM
 }
 PER_ISA(norm_rows);
 
 INLINE void silu_mul_rows(const void *args, int64_t lo, int64_t hi) {
     const Args *a = args;
-    for (int64_t i = lo; i < hi; i++) silu_mul_row(a->x + i * a->x_stride, a->y + i * a->y_stride, a->cols);
+#define SILU_MUL(bf16) \
+    for (int64_t i = lo; i < hi; i++) silu_mul_row(a->x + i * a->x_stride, a->y + i * a->y_stride, a->cols, bf16)
+    EACH_DTYPE(SILU_MUL);
+#undef SILU_MUL
 }
 PER_ISA(silu_mul_rows);
 
 INLINE void rotate_rows(const void *args, int64_t lo, int64_t hi) {
     const Args *a = args;
-    for (int64_t i = lo; i < hi; i++)
-        rotate_row(a->x + i * a->x_stride, a->cos + i * a->cos_stride, a->sin + i * a->sin_stride, a->heads,
-                   a->cols / a->heads);
+#define ROTATE(bf16)                                                                                            \
+    for (int64_t i = lo; i < hi; i++)                                                                          \
+    rotate_row(a->x + i * a->x_stride, a->cos + i * a->cos_stride, a->sin + i * a->sin_stride, a->heads,       \
+               a->cols / a->heads, bf16)
+    EACH_DTYPE(ROTATE);
+#undef ROTATE
 }
 PER_ISA(rotate_rows, __attribute__((optimize("fp-contract=off"))));
 
-/* The op's rows for this CPU, shared among `threads` when they hold `floats` or more. */
+/* The op's rows for the kernels' instruction set, shared among `threads` when they hold `values` or more. */
 static void for_rows(void (*const op[NUM_ISAS])(const void *, int64_t, int64_t), const Args *a, int64_t n,
-                     int64_t floats, int threads) {
-    split(op[isa_best()], a, n, floats < PARALLEL_FLOATS ? 1 : threads);
+                     int64_t values, int threads) {
+    split(op[kernel_isa], a, n, values < PARALLEL_FLOATS ? 1 : threads);
 }
 
 /* ------------------------------------------------------------ the calls */
 
 int parse_rows(PyObject *arg, const char *name, Rows *r) {
-    if (!PyArg_ParseTuple(arg, "KLLL", &r->ptr, &r->rows, &r->cols, &r->stride)) {
-        PyErr_Format(PyExc_TypeError, "%s: expected (address, rows, columns, row stride)", name);
+    if (!PyArg_ParseTuple(arg, "KiLLL", &r->ptr, &r->dtype, &r->rows, &r->cols, &r->stride)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected (address, dtype, rows, columns, row stride)", name);
+        return -1;
+    }
+    if (r->dtype != F32 && r->dtype != BF16) {
+        PyErr_Format(PyExc_ValueError, "%s: rows are float32 or bfloat16, not dtype code %d", name, r->dtype);
         return -1;
     }
     const long long shape[2] = {r->rows, r->cols}, stride[2] = {r->stride, 1};
-    if (r->rows < 0 || r->cols < 0 || r->stride < r->cols || !spans(r->ptr, 2, shape, stride, sizeof(float))) {
-        PyErr_Format(PyExc_ValueError, "%s: %lld rows of %lld floats %lld apart", name, r->rows, r->cols, r->stride);
+    if (r->rows < 0 || r->cols < 0 || r->stride < r->cols ||
+        !spans(r->ptr, 2, shape, stride, r->dtype == BF16 ? 2 : 4)) {
+        PyErr_Format(PyExc_ValueError, "%s: %lld rows of %lld values %lld apart", name, r->rows, r->cols, r->stride);
         return -1;
     }
     return 0;
 }
 
-#define FLOATS(r) ((float *)(uintptr_t)(r)->ptr)
+/* Whether every one of n rows has the first's dtype (NULL: none given); a ValueError naming `what` where not. */
+static int one_dtype(const char *what, int n, const Rows *const *rows) {
+    for (int i = 1; i < n; i++)
+        if (rows[i] && rows[i]->dtype != rows[0]->dtype)
+            return FAIL("%s must have one dtype (codes %d and %d)", what, rows[0]->dtype, rows[i]->dtype);
+    return 0;
+}
+
+#define BYTES(r) ((char *)(uintptr_t)(r)->ptr)
+#define STRIDE(r) ((r)->stride * ((r)->dtype == BF16 ? 2 : 4))
 
 int norm_check(const Rows *x, const Rows *residual, const Rows *w) {
     if (w->rows != 1 || w->cols != x->cols)
         return FAIL("weight is %lld x %lld; x's rows have %lld", w->rows, w->cols, x->cols);
     if (residual && (residual->rows != x->rows || residual->cols != x->cols))
         return FAIL("residual is %lld x %lld; x is %lld x %lld", residual->rows, residual->cols, x->rows, x->cols);
-    return 0;
+    return one_dtype("x, residual and weight", 3, (const Rows *[]){x, residual, w});
 }
 
 void norm_run(const Rows *x, const Rows *residual, const Rows *w, float eps, int threads) {
-    Args a = {.x = FLOATS(x), .y = residual ? FLOATS(residual) : NULL, .w = FLOATS(w), .x_stride = x->stride,
-              .y_stride = residual ? residual->stride : 0, .cols = x->cols, .eps = eps};
+    Args a = {.x = BYTES(x), .y = residual ? BYTES(residual) : NULL, .w = BYTES(w), .x_stride = STRIDE(x),
+              .y_stride = residual ? STRIDE(residual) : 0, .cols = x->cols, .eps = eps, .bf16 = x->dtype == BF16};
     for_rows(norm_rows_isa, &a, x->rows, x->rows * x->cols, threads);
 }
 
@@ -159,28 +238,29 @@ int silu_mul_check(const Rows *out, const Rows *gate_up) {
     if (gate_up->rows != out->rows || gate_up->cols % 2 || gate_up->cols / 2 != out->cols)
         return FAIL("gate_up is %lld x %lld; out is %lld x %lld (half as wide)", gate_up->rows, gate_up->cols,
                     out->rows, out->cols);
-    return 0;
+    return one_dtype("out and gate_up", 2, (const Rows *[]){out, gate_up});
 }
 
 void silu_mul_run(const Rows *out, const Rows *gate_up, int threads) {
-    Args a = {.x = FLOATS(out), .y = FLOATS(gate_up), .x_stride = out->stride, .y_stride = gate_up->stride,
-              .cols = out->cols};
+    Args a = {.x = BYTES(out), .y = BYTES(gate_up), .x_stride = STRIDE(out), .y_stride = STRIDE(gate_up),
+              .cols = out->cols, .bf16 = out->dtype == BF16};
     for_rows(silu_mul_rows_isa, &a, out->rows, gate_up->rows * gate_up->cols, threads);
 }
 
 int rotate_check(const Rows *x, long long heads, const Rows *cos, const Rows *sin) {
-    if (heads < 1 || x->cols % heads) return FAIL("%lld floats a row do not split into %lld heads", x->cols, heads);
+    if (heads < 1 || x->cols % heads) return FAIL("%lld values a row do not split into %lld heads", x->cols, heads);
     const long long dim = x->cols / heads;
     if (dim % 2 || dim > 256) return FAIL("head dim %lld: rotate takes even ones up to 256", dim);
     if (cos->rows != x->rows || sin->rows != x->rows || cos->cols != dim || sin->cols != dim)
         return FAIL("cos and sin are %lld x %lld and %lld x %lld; x has %lld rows of heads of %lld", cos->rows,
                     cos->cols, sin->rows, sin->cols, x->rows, dim);
-    return 0;
+    return one_dtype("x, cos and sin", 3, (const Rows *[]){x, cos, sin});
 }
 
 void rotate_run(const Rows *x, long long heads, const Rows *cos, const Rows *sin, int threads) {
-    Args a = {.x = FLOATS(x), .cos = FLOATS(cos), .sin = FLOATS(sin), .x_stride = x->stride,
-              .cos_stride = cos->stride, .sin_stride = sin->stride, .cols = x->cols, .heads = heads};
+    Args a = {.x = BYTES(x), .cos = BYTES(cos), .sin = BYTES(sin), .x_stride = STRIDE(x),
+              .cos_stride = STRIDE(cos), .sin_stride = STRIDE(sin), .cols = x->cols, .heads = heads,
+              .bf16 = x->dtype == BF16};
     for_rows(rotate_rows_isa, &a, x->rows, x->rows * x->cols, threads);
 }
 

@@ -3,17 +3,19 @@
 
 /* rms_norm(x, residual, weight, eps, threads), silu_mul(out, gate_up, threads),
  * rotate(x, heads, cos, sin, threads): see ops.c; each matrix is
- * (address, rows, columns, row stride) of float32 */
+ * (address, dtype code, rows, columns, row stride) of float32 or bfloat16 */
 extern PyMethodDef OPS_METHODS[];
 
 /* linear(out, x, panels, bias, threads): out <- x W^T + bias over W packed in panels of LINEAR_PANEL
- * columns; linear_serves(): whether this CPU runs it.  See linear.c. */
+ * columns; linear_serves(): whether float32 weights are its to run here (AVX-512).  See linear.c. */
 extern const int LINEAR_PANEL;
 extern PyMethodDef LINEAR_METHODS[];
 
-/* (address, rows, floats a row, row stride) of a float32 matrix, from Python */
+/* (address, dtype code, rows, values a row, row stride) of a float32 (F32) or bfloat16 (BF16) matrix, from
+ * Python */
 typedef struct {
     unsigned long long ptr;
+    int dtype;
     long long rows, cols, stride;
 } Rows;
 
@@ -21,7 +23,8 @@ typedef struct {
 int parse_rows(PyObject *arg, const char *name, Rows *r);
 
 /* Each call above as its check (-1 with a ValueError set; needs the GIL) and its work (none: runs with
- * the GIL released; threads: clamped to the machine's, clamp_threads).  A residual or bias of NULL: none. */
+ * the GIL released; threads: clamped to the machine's, clamp_threads; the GEMM's -1: out of memory).  A
+ * residual or bias of NULL: none. */
 int norm_check(const Rows *x, const Rows *residual, const Rows *w);
 void norm_run(const Rows *x, const Rows *residual, const Rows *w, float eps, int threads);
 int silu_mul_check(const Rows *out, const Rows *gate_up);
@@ -29,8 +32,8 @@ void silu_mul_run(const Rows *out, const Rows *gate_up, int threads);
 int rotate_check(const Rows *x, long long heads, const Rows *cos, const Rows *sin);
 void rotate_run(const Rows *x, long long heads, const Rows *cos, const Rows *sin, int threads);
 int linear_check(const Rows *y, const Rows *x, const Rows *w, const Rows *b);
-void linear_run(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int threads);
+int linear_run(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int threads);
 /* y <- silu(gate) * up, [gate | up] = x W^T + b (W packed as for linear_run), y's columns a
  * multiple of LINEAR_PANEL: silu_mul's result, bit for bit, with no [gate | up] rows written. */
 int linear_silu_mul_check(const Rows *y, const Rows *x, const Rows *w, const Rows *b);
-void linear_silu_mul_run(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int threads);
+int linear_silu_mul_run(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int threads);

@@ -62,3 +62,10 @@ def live(cache, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     buffer its next read reuses)."""
     k, v = cache.data.rows(layer, slot, slot + 1, cache.length(slot, layer))
     return (k[0], v[0]) if cache.kind == "virtual" else (k[0].clone(), v[0].clone())
+
+
+def pytest_report_header(config) -> list[str]:
+    """The code each kernel runs here: the paths these tests cover (the others run where the CPU has them)."""
+    from vattn.executor.paths import kernel_paths
+
+    return [f"{name}: {path}" for name, path in kernel_paths()]

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from vattn.bench import kernels, peers
+from vattn.dtypes import cpu_bf16
 
 ROW = {"phase", "dtype", "model", "batch", "context", "lengths", "layout", "ms", "floor_ms"}
 
@@ -22,7 +23,8 @@ def test_run_covers_the_grid(tmp_path):
     result = kernels.run(str(path), str(tmp_path / "plots"), batches=[1, 2], contexts=[64, 128], dtypes=["float32"],
                          repeats=2)
     recorded = json.loads(path.read_text())
-    assert recorded.pop("commit") and recorded == result
+    assert recorded.pop("commit") and recorded.pop("cpu") and recorded.pop("cpu_bf16") == list(cpu_bf16())
+    assert recorded == result
     rows = result["rows"]
     for r in rows:
         assert set(r) == (ROW | {"block_size", "max_abs_err"} if r["layout"] == "vllm_paged" else ROW)

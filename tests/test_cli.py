@@ -57,7 +57,7 @@ def test_the_demo_s_figures_fit_a_100_column_terminal():
     narrow = Console(width=100, record=True)
     kept, report.console = report.console, narrow
     try:
-        report.print_table(title(32, 3), ["", ""], rows)
+        report.print_table(title(32, 3, "bfloat16"), ["", ""], rows)
     finally:
         report.console = kept
     lines = narrow.export_text().splitlines()

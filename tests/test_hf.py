@@ -57,9 +57,9 @@ def test_tiny_models_match_dynamic_cache(arch, attn, layout, mode):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from vattn.models import load_smollm2
+    from vattn.models import load_model
 
-    model, tokenizer = load_smollm2()
+    model, tokenizer = load_model()
     chats = [[{"role": "user", "content": text}] for text in
              ("What is the capital of France?", "Name three colours.", "Say hi.")]
     tokenizer.padding_side = "left"

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_elementwise import forced, runnable_isas
 
 from vattn import _native, attention
 from vattn.attention.batch import StepBatch
@@ -16,19 +17,6 @@ from vattn.attention.registry import pick_for
 from vattn.binding import attend, request_table
 from vattn.config import CacheConfig
 from vattn.kv.virtual import VirtualKVCache
-
-
-def supported_isas() -> list[str]:
-    """The instruction sets this CPU runs the kernel with."""
-    chosen, names = _native.attention_isa(), []
-    for name in ("avx512", "avx2", "baseline"):
-        try:
-            _native.attention_isa(name)
-            names.append(name)
-        except ValueError:
-            pass
-    _native.attention_isa(chosen)
-    return names
 
 
 def reference(q, K, V, table, scale, window=None) -> torch.Tensor:
@@ -166,18 +154,15 @@ def test_the_engine_s_attend_stores_the_step_s_k_v_and_writes_into_the_out_it_is
     assert close(out, reference(q, K, V, table, 0.125), torch.float32)
 
 
-@pytest.mark.parametrize("isa", supported_isas())
-def test_every_instruction_set_gives_the_same_answer(isa):
-    chosen = _native.attention_isa()
-    cache, K, V = cache_views("per_layer", 16, 4, 128, [300, 1500, 77], torch.float32)
-    q = torch.randn(40, 16, 128, generator=torch.Generator().manual_seed(3))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", runnable_isas())
+def test_every_instruction_set_gives_the_reference_s_answer(isa, dtype):
+    cache, K, V = cache_views("per_layer", 16, 4, 128, [300, 1500, 77], dtype)
+    q = torch.randn(40, 16, 128, generator=torch.Generator().manual_seed(3)).to(dtype)
     table = request_table([(0, 0, 300, 0, 1), (1, 0, 1500, 1, 1), (2, 0, 77, 2, 38)])
-    try:
-        _native.attention_isa(isa)
+    with forced(isa):
         out = attend(q, K, V, table, 0.09, 50)
-    finally:
-        _native.attention_isa(chosen)
-    assert close(out, reference(q, K, V, table, 0.09, 50), torch.float32)
+    assert close(out, reference(q, K, V, table, 0.09, 50), dtype)
 
 
 def test_threads_split_long_requests_and_merge_them():

@@ -121,10 +121,10 @@ def test_an_abort_and_a_failing_request_under_two_ranks_leave_every_rank_the_sam
 
 
 def test_three_ranks_serve_smollm2_as_one_does():
-    from vattn.models import load_smollm2
+    from vattn.models import load_model
     from vattn.sharegpt import chat_prompt
 
-    model, tokenizer = load_smollm2(dtype=torch.float32)
+    model, tokenizer = load_model(dtype=torch.float32)
     chats = [chat_prompt(tokenizer, t) for t in ("What is the capital of France?", "Name three colours.")]
     reference = [hf_greedy(model, p, 12, ignore_eos=True) for p in chats]
     llm = LLM(tensor_parallel_size=3, max_num_seqs=4, max_seq_len=256)

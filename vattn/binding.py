@@ -2,8 +2,9 @@
 every call into it, and the packing of its arguments.
 
 A tensor goes to C as a *view* (address, dtype code, sizes, strides: what
-the attention kernel reads) or as *rows* (address, rows, columns, row stride
-of float32 rows on the host: what the GEMM and the elementwise kernels read);
+the attention kernel reads) or as *rows* (address, dtype code, rows, columns,
+row stride of rows on the host: what the elementwise kernels read, and the
+GEMM in float32);
 the one-call decoder's layers as `DecoderLayer` records.  The C core checks
 every argument again and raises ValueError, with nothing written, for one it
 cannot take.
@@ -25,7 +26,8 @@ page_out, trim_heap, raw_map_loop, dlpack = c.page_out, c.trim_heap, c.raw_map_l
 
 # ------------------------------------------------------------ arguments
 
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the attention kernel's dtype codes
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernels' dtype codes
+isa = c.isa  # ([name]) -> the instruction set the attention and elementwise kernels run, forced to name first
 
 
 def view(name: str, t: torch.Tensor, ndim: int) -> tuple:
@@ -42,21 +44,21 @@ def view(name: str, t: torch.Tensor, ndim: int) -> tuple:
 
 
 def serves_rows(t: torch.Tensor) -> bool:
-    """Whether the GEMM and the elementwise kernels take rows of `t`'s dtype and device."""
-    return t.dtype == torch.float32 and t.is_cpu
+    """Whether the elementwise kernels take rows of `t`'s dtype and device (the GEMM: float32 ones)."""
+    return t.dtype in DTYPES and t.is_cpu
 
 
-def rows(name: str, t: torch.Tensor) -> tuple[int, int, int, int]:
-    """(address, rows, columns, row stride) of float32 rows on the host, each
-    contiguous (a vector is one row)."""
+def rows(name: str, t: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(address, dtype code, rows, columns, row stride) of float32 or
+    bfloat16 rows on the host, each contiguous (a vector is one row)."""
     if (not isinstance(t, torch.Tensor) or not serves_rows(t) or t.dim() not in (1, 2)
             or (t.stride(-1) != 1 and t.shape[-1] > 1)):
-        raise ValueError(f"{name} must be float32 rows on the host, each contiguous; got "
+        raise ValueError(f"{name} must be float32 or bfloat16 rows on the host, each contiguous; got "
                          f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))} "
                          f"on {getattr(t, 'device', '?')}")
     if t.dim() == 1:
-        return t.data_ptr(), 1, t.shape[0], t.shape[0]
-    return t.data_ptr(), t.shape[0], t.shape[1], t.stride(0)
+        return t.data_ptr(), DTYPES[t.dtype], 1, t.shape[0], t.shape[0]
+    return t.data_ptr(), DTYPES[t.dtype], t.shape[0], t.shape[1], t.stride(0)
 
 
 def request_table(requests: Iterable[tuple[int, int, int, int, int]]) -> array:
@@ -69,9 +71,6 @@ def request_table(requests: Iterable[tuple[int, int, int, int, int]]) -> array:
 
 
 # ------------------------------------------------------------ attention (native/attention.c)
-
-attention_isa = c.attention_isa  # ([name]) -> the instruction set attend runs, set to name first
-
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: array, scale: float,
            window: int | None = None, out: torch.Tensor | None = None, new_k: torch.Tensor | None = None,
@@ -119,7 +118,7 @@ ROTATE_MAX_HEAD_DIM = 256
 # ------------------------------------------------------------ the GEMM (native/linear.c)
 
 LINEAR_PANEL = c.LINEAR_PANEL  # output columns a panel of a packed weight holds
-linear_serves = c.linear_serves  # () -> whether this CPU runs it (AVX-512)
+linear_serves = c.linear_serves  # () -> whether float32 weights are its to run here (AVX-512)
 
 
 def weight(panels: torch.Tensor, bias: torch.Tensor | None) -> tuple:

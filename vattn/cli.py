@@ -13,6 +13,7 @@ def info(args) -> None:
     from vattn.backends.cuda import unavailable
     from vattn.report import print_table
     from vattn.config import DEFAULTS
+    from vattn.executor.paths import kernel_paths
 
     backend = get_backend("cpu")
     why = unavailable()
@@ -39,6 +40,7 @@ def info(args) -> None:
         ["CUDA available to torch", torch.cuda.is_available()],
         ["python", platform.python_version()],
         ["CPUs", os.cpu_count()],
+        *([name, path] for name, path in kernel_paths()),
     ])
 
 
@@ -65,13 +67,13 @@ def _size(nbytes: int) -> str:
 def generate(args) -> None:
     from vattn import generate
 
-    generate.run(args.prompt, args.max_new_tokens, args.num_beams, args.cache)
+    generate.run(args.prompt, args.max_new_tokens, args.num_beams, args.cache, args.dtype)
 
 
 def demo(args) -> None:
     from vattn import demo
 
-    demo.run(args.num_prompts, args.max_tokens, args.show, args.json, args.tensor_parallel_size)
+    demo.run(args.num_prompts, args.max_tokens, args.show, args.json, args.tensor_parallel_size, args.dtype)
 
 
 def bench_vmm(args) -> None:
@@ -83,7 +85,7 @@ def bench_vmm(args) -> None:
 def bench_hf(args) -> None:
     from vattn.bench import hf
 
-    hf.run(args.json, batches=args.batches, new_tokens=args.new_tokens, attn=args.attn)
+    hf.run(args.json, batches=args.batches, new_tokens=args.new_tokens, attn=args.attn, dtype=args.dtype)
 
 
 def bench_engine(args) -> None:
@@ -92,7 +94,7 @@ def bench_engine(args) -> None:
     seqs, tokens = (_one(args, name) for name in ("max_num_seqs", "max_num_batched_tokens"))
     engine.run(args.json, num_prompts=args.num_prompts, max_tokens=args.max_tokens, max_num_seqs=seqs,
                max_num_batched_tokens=tokens, device=args.device, rounds=args.rounds, attention=args.attention,
-               tensor_parallel_size=args.tensor_parallel_size)
+               tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype)
 
 
 def bench_sweep(args) -> None:
@@ -102,7 +104,7 @@ def bench_sweep(args) -> None:
     limits = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
               "max_running_tokens": args.max_running_tokens or [EngineConfig().max_running_tokens]}
     sweep.run(args.json, limits, workload=args.workload, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-              rate=args.request_rate, rounds=args.rounds)
+              rate=args.request_rate, rounds=args.rounds, dtype=args.dtype)
 
 
 def bench_soak(args) -> None:
@@ -144,7 +146,7 @@ def bench_e2e(args) -> None:
     e2e.run(args.json, args.plot, workload=args.workload, num_prompts=args.num_prompts or sizes.get("num_prompts"),
             max_tokens=args.max_tokens or sizes.get("max_tokens"), rates=args.request_rate,
             burstiness=args.burstiness, rounds=args.rounds, systems=args.systems, kv_budget=_bytes(args.kv_budget),
-            log_dir=args.log_dir)
+            log_dir=args.log_dir, model_name=args.model, dtype=args.dtype)
 
 
 def _one(args, name: str) -> int | None:
@@ -177,6 +179,13 @@ def _bytes(text: str | None) -> int | None:
 
 
 DEMO_PROMPTS, DEMO_MAX_TOKENS = 32, 48
+
+
+def add_dtype(p: argparse.ArgumentParser) -> None:
+    from vattn.dtypes import SETTINGS
+
+    p.add_argument("--dtype", choices=list(SETTINGS), default="auto",
+                   help="the model's dtype (auto: its checkpoint's, float32 on a CPU without bfloat16 instructions)")
 
 
 def add_bench_commands(bench: argparse.ArgumentParser) -> None:
@@ -216,6 +225,7 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, nargs="+", default=[512, 2048], help="tokens to generate")
     p.add_argument("--attn", choices=["sdpa", "vattn_sdpa", "vattn_native", "eager"], default="sdpa",
                    help="attention implementation for every cache")
+    add_dtype(p)
 
     p = command("engine", bench_engine, "the demo's workload, larger, through the engine, with and without the "
                                         "mapping worker")
@@ -226,6 +236,7 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", choices=["native", "flash", "triton", "sdpa"],
                    help="the attention kernel (default: the first that serves, vattn.attention.registry)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model's heads are split over")
+    add_dtype(p)
     device(p)
     rounds(p)
 
@@ -238,6 +249,7 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, help="requests (default: the workload's)")
     p.add_argument("--max-tokens", type=int, help="cap on each answer (default: the workload's)")
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
+    add_dtype(p)
     rounds(p)
 
     p = command("soak", bench_soak, "requests on a tiny model under preemption, each mode: outputs equal the "
@@ -288,6 +300,11 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
                                        "2,048 tokens)")
     p.add_argument("--quick", action="store_true", help="a smaller run (12 requests, answers ≤ 32 tokens)")
     p.add_argument("--log-dir", help="where the systems' logs go (default: a temporary folder)")
+    from vattn.models import BUILT_IN
+
+    p.add_argument("--model", choices=BUILT_IN, default=BUILT_IN[0],
+                   help="the model every system serves (the shapes: random weights, vattn.models)")
+    add_dtype(p)
 
     p = command("gpu", bench_gpu, "the GPU check (scripts/gpu_check.sh): CUDA tests, VMM latency, kernels, a short "
                                   "engine run, a summary table")
@@ -306,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-beams", type=int, default=1)
     p.add_argument("--cache", choices=CACHES, default="vattn")
+    add_dtype(p)
     p.set_defaults(func=generate)
     p = commands.add_parser("demo", help="SmolLM2 serves real ShareGPT prompts through the engine")
     p.add_argument("--num-prompts", type=int, default=DEMO_PROMPTS)
@@ -313,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--show", type=int, default=3, help="prompts to print with their answers")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model's heads are split over")
+    add_dtype(p)
     p.set_defaults(func=demo)
     add_bench_commands(commands.add_parser("bench", help="benchmarks (vattn bench NAME --help: its options)"))
     args = parser.parse_args(argv)

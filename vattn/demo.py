@@ -8,10 +8,10 @@ from vattn.workload import figure_rows, serve, workload
 
 
 def run(num_prompts: int, max_tokens: int, show: int, json_path: str | None = None,
-        tensor_parallel_size: int = 1) -> dict:
+        tensor_parallel_size: int = 1, dtype: str = "auto") -> dict:
     from vattn import LLM
 
-    llm = LLM(tensor_parallel_size=tensor_parallel_size)  # SmolLM2, split over that many ranks
+    llm = LLM(tensor_parallel_size=tensor_parallel_size, dtype=dtype)  # SmolLM2, split over that many ranks
     requests, prompts, params = workload(llm.tokenizer, num_prompts, max_tokens)
     try:
         outputs, figures = serve(llm, prompts, params)
@@ -24,14 +24,15 @@ def run(num_prompts: int, max_tokens: int, show: int, json_path: str | None = No
                             title=f"request {out.request_id}: {len(out.prompt_token_ids)} prompt tokens, "
                                   f"{len(out.outputs[0].token_ids)} generated ({out.outputs[0].finish_reason})",
                             title_align="left"))
-    print_table(title(len(outputs), tensor_parallel_size), ["", ""], figure_rows(figures))
+    dtype = str(llm.engine.model.dtype).removeprefix("torch.")
+    print_table(title(len(outputs), tensor_parallel_size, dtype), ["", ""], figure_rows(figures))
     write_json(json_path, figures)
     return figures
 
 
-def title(num_prompts: int, tensor_parallel_size: int) -> str:
+def title(num_prompts: int, tensor_parallel_size: int, dtype: str) -> str:
     ranks = f", {tensor_parallel_size} tensor-parallel ranks" if tensor_parallel_size > 1 else ""
-    return f"vattn demo: {num_prompts} ShareGPT prompts, SmolLM2-135M{ranks}"
+    return f"vattn demo: {num_prompts} ShareGPT prompts, SmolLM2-135M {dtype}{ranks}"
 
 
 def _clip(text: str, n: int) -> str:

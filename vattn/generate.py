@@ -45,13 +45,13 @@ def kv_bytes(cache) -> tuple[int, int]:
     return held, live
 
 
-def run(prompt: str, max_new_tokens: int, num_beams: int, cache_kind: str) -> None:
+def run(prompt: str, max_new_tokens: int, num_beams: int, cache_kind: str, dtype: str = "auto") -> None:
     from transformers import TextStreamer
 
     from vattn.integrations.hf import VAttnCache
-    from vattn.models import load_smollm2
+    from vattn.models import load_model
 
-    model, tokenizer = load_smollm2()
+    model, tokenizer = load_model(dtype=dtype)
     chat = [{"role": "user", "content": prompt}]
     inputs = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     prompt_len = inputs["input_ids"].shape[1]

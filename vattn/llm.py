@@ -1,6 +1,6 @@
 """`vattn.LLM`: offline batch generation, vLLM's way.
 
-    llm = LLM()                                   # SmolLM2-135M-Instruct on the CPU
+    llm = LLM()                                   # SmolLM2-135M-Instruct on the CPU, dtype "auto"
     outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
     llm = LLM(tensor_parallel_size=3)             # the same, its heads split over 3 processes
 """
@@ -19,8 +19,10 @@ from vattn.sampling_params import SamplingParams
 class LLM:
     def __init__(self, model=None, tokenizer=None, **settings):
         """`model`: a transformers causal LM (with its `tokenizer`), a
-        checkpoint's name or directory, a loader (`vattn.executor.loader.load`),
-        or None for SmolLM2-135M-Instruct; `settings`: `EngineConfig` fields.
+        built-in model's name (`vattn.models`), a checkpoint's name or
+        directory, a loader (`vattn.executor.loader.load`), or None for
+        SmolLM2-135M-Instruct; `settings`: `EngineConfig` fields (`dtype`:
+        "auto" by default, see `vattn.dtypes`).
         With `tensor_parallel_size=N` > 1 the model is loaded in N ranks, this
         process rank 0 (it starts the others, or under `torchrun` joins them:
         there only rank 0 returns from here), so it must come as a name or
@@ -36,7 +38,7 @@ class LLM:
             device_type = ranks.device_type() if size > 1 else "cpu"
             ranks.check_settings(size, model, device_type)
             group = ranks.launch(size, model, settings, device_type) if size > 1 else None
-            model, loaded_tokenizer = ranks.load_here(model, group)
+            model, loaded_tokenizer = ranks.load_here(model, group, config.dtype)
             tokenizer = tokenizer or loaded_tokenizer
         self.tokenizer = tokenizer
         try:

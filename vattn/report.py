@@ -20,10 +20,10 @@ def print_table(title: str, columns: list[str], rows: list[list]) -> None:
 
 
 def write_json(path: str | None, data: dict) -> None:
-    """`data` at `path`, naming the commit that measured it."""
+    """`data` at `path`, naming the commit and the CPU that measured it."""
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps({"commit": COMMIT} | data, indent=2) + "\n")
+        Path(path).write_text(json.dumps({"commit": COMMIT, **machine()} | data, indent=2) + "\n")
         console.print(f"wrote {path}")
 
 
@@ -37,6 +37,15 @@ def commit() -> str | None:
         return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def machine() -> dict:
+    """The CPU's model name and its bfloat16 instructions (`vattn.dtypes.cpu_bf16`)."""
+    from vattn.dtypes import cpu_bf16
+
+    name = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")), "unknown")
+    return {"cpu": name, "cpu_bf16": list(cpu_bf16())}
 
 
 COMMIT = commit()  # the code a run starts with, whatever is edited while it runs

@@ -18,7 +18,8 @@ page several of those processes share (vLLM runs several) counts once.
 `peak_rss_bytes` beside it sums their RSS high-water marks, which counts a
 shared page once per process.  The memory ratios are on PSS.
 
-Fair by construction: SmolLM2-135M in float32, both cores, the same token
+Fair by construction: one model (a built-in one, `vattn.models`) in one
+dtype (what `--dtype` serves on this CPU: `vattn.dtypes`), both cores, the same token
 ids, greedy, EOS ignored (every answer is exactly its cap long), the same
 arrival times, and the same KV memory in bytes (`settings`).  Workloads:
 `sharegpt` (first turns through the chat template, answers of the reference
@@ -44,7 +45,7 @@ from vattn.bench.pss import PeakPss, tree
 from vattn.bench.report import median_figures
 from vattn.engine.metrics import latency_report
 from vattn.engine.request import CompletionOutput, RequestMetrics, RequestOutput
-from vattn.report import console, print_table, write_json
+from vattn.report import console, machine, print_table, write_json
 
 SYSTEMS = ("vattn", "paged_16", "vllm_cpu", "hf_continuous_batching", "hf_static")
 WORKLOADS = {"sharegpt": dict(num_prompts=48, max_tokens=128), "long": dict(num_prompts=32, max_tokens=256)}
@@ -90,10 +91,7 @@ def settings(system: str, budget: int, cache, max_seq_len: int) -> list[dict]:
     if system.startswith("paged_"):
         return [{"memory_budget": budget, "kv_cache": "paged", "block_size": int(system.removeprefix("paged_"))}]
     if system == "vllm_cpu":
-        from vattn.models import smollm2_dir
-
-        return [{"model": str(smollm2_dir()), "dtype": "float32", "max_model_len": max_seq_len,
-                 "kv_budget_bytes": budget}]
+        return [{"max_model_len": max_seq_len, "kv_budget_bytes": budget}]
     if system == "hf_continuous_batching":
         return [{"num_blocks": budget // (HF_BLOCK * token), "block_size": HF_BLOCK, "max_batch_tokens": HF_BLOCK}]
     if system == "hf_static":
@@ -113,11 +111,13 @@ def default_budget(cache) -> int:
 class Worker:
     """One system's serving process (the protocol of `serve_worker.py`)."""
 
-    def __init__(self, system: str, options: dict, log: Path):
+    def __init__(self, system: str, options: dict, log: Path, model: str, dtype: str):
+        """`model`: a checkpoint's directory, loaded by every system in `dtype` (a torch dtype's name)."""
         self.system, self.options = system, options
         self._dir = tempfile.TemporaryDirectory(prefix="vattn-e2e-")
         path = Path(self._dir.name) / "settings.json"
-        path.write_text(json.dumps(options if system == "vllm_cpu" else {"options": options}))
+        which = {"model": model, "dtype": dtype}
+        path.write_text(json.dumps(options | which if system == "vllm_cpu" else {"options": options} | which))
         self._log = open(log, "a")
         pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
         if system == "vllm_cpu":
@@ -187,29 +187,33 @@ def figures(result: dict, reqs: list[dict]) -> dict:
 def run(json_path: str | None, plot_dir: str | None, workload: str = "sharegpt", num_prompts: int | None = None,
         max_tokens: int | None = None, rates: list[float] = (float("inf"),), burstiness: float = 1.0,
         rounds: int = 3, systems: list[str] = SYSTEMS, kv_budget: int | None = None,
-        log_dir: str | None = None) -> dict:
-    from vattn.engine import EngineConfig
+        log_dir: str | None = None, model_name: str = "smollm2", dtype: str = "auto") -> dict:
+    """`model_name`: a built-in model (`vattn.models`), served by every system
+    in the dtype `dtype` serves on this CPU (`vattn.dtypes`)."""
     from vattn.config import resolve
-    from vattn.models import ENGINE_DTYPE, load_smollm2
+    from vattn.engine import EngineConfig
+    from vattn.models import load_model, model_dir
 
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     sizes = WORKLOADS[workload] | {k: v for k, v in dict(num_prompts=num_prompts, max_tokens=max_tokens).items() if v}
-    model, tokenizer = load_smollm2(dtype=ENGINE_DTYPE)
+    where = str(model_dir(model_name))
+    model, tokenizer = load_model(where, dtype)
+    served = str(model.dtype).removeprefix("torch.")
     engine = EngineConfig().for_model(model)
     cache = resolve(engine.cache_config(model))
     budget = kv_budget or default_budget(cache)
     reqs = requests(tokenizer, workload, **sizes)
     work = flops.workload_flops(model.config, reqs)
     del model
-    peak = flops.gemm_peak_gflops()  # before any worker starts
+    peak = flops.gemm_peak_gflops(getattr(torch, served))  # before any worker starts
     systems = list(systems)
     if "vllm_cpu" in systems and peers.vllm_python() is None:
         console.print(f"[bold]vllm_cpu left out:[/bold] {peers.HOW}")
         systems.remove("vllm_cpu")
     log = Path(log_dir or tempfile.mkdtemp(prefix="vattn-e2e-logs-"))
     log.mkdir(parents=True, exist_ok=True)
-    console.print(f"e2e: {len(reqs)} {workload} requests, {sum(len(r['prompt']) for r in reqs):,} prompt tokens, "
+    console.print(f"e2e: {model_name} in {served}, {len(reqs)} {workload} requests, {sum(len(r['prompt']) for r in reqs):,} prompt tokens, "
                   f"{sum(r['max_tokens'] for r in reqs):,} output tokens, KV budget {budget / 2**30:.2f} GiB; "
                   f"worker logs in {log}")
     workers = {}
@@ -218,7 +222,7 @@ def run(json_path: str | None, plot_dir: str | None, workload: str = "sharegpt",
             for options in settings(system, budget, cache, engine.max_seq_len):
                 name = system if system != "hf_static" else f"hf_static_b{options['batch_size']}"
                 console.print(f"starting {name}")
-                workers[name] = Worker(system, options, log / f"{name}.log")
+                workers[name] = Worker(system, options, log / f"{name}.log", where, served)
                 workers[name].serve(reqs[:4], [0.0] * min(4, len(reqs)))  # warm-up, not timed
         results = [_run_rate(workers, reqs, rate, burstiness, rounds) for rate in rates]
         memory = {name: w.peak_memory() for name, w in workers.items()}
@@ -227,7 +231,7 @@ def run(json_path: str | None, plot_dir: str | None, workload: str = "sharegpt",
             w.close()
     rows = [_row(name, r, rate_result, memory[r["worker"]], budget, workers[r["worker"]].ran, work)
             for rate_result in results for name, r in rate_result["systems"].items()]
-    result = {"workload": workload, **sizes, "requests": len(reqs),
+    result = {"model": model_name, "dtype": served, **machine(), "workload": workload, **sizes, "requests": len(reqs),
               "prompt_tokens": sum(len(r["prompt"]) for r in reqs), "burstiness": burstiness,
               "workload_flops": work, "gemm_peak_gflops": peak,
               "request_rate": [rate_label(r) for r in rates], "rounds_per_figure": rounds, "kv_budget_bytes": budget,
@@ -298,7 +302,8 @@ def _print(result: dict) -> None:
                     [[s["request_rate"], s["batch_size"], s["output_tok_per_s"], "chosen" if s["chosen"] else ""]
                      for s in result["static_sweep"]])
     lat = lambda s: f"{s['mean']:,.0f} / {s['median']:,.0f} / {s['p99']:,.0f}"  # noqa: E731
-    print_table(f"end to end: {result['requests']} {result['workload']} requests, SmolLM2-135M float32, answers ≤ "
+    print_table(f"end to end: {result['requests']} {result['workload']} requests, {result['model']} "
+                f"{result['dtype']}, answers ≤ "
                 f"{result['max_tokens']} tokens, EOS ignored; medians of {result['rounds_per_figure']} rounds",
                 ["system", "rate", "output tok/s", "req/s", "TTFT ms mean / med / p99", "TPOT ms", "ITL ms",
                  "E2EL ms", "GFLOP/s", "peak PSS GiB", "peak RSS GiB", "KV GiB", "same tokens"],
@@ -307,7 +312,8 @@ def _print(result: dict) -> None:
                   f"{r['peak_pss_bytes'] / 2**30:.2f}", f"{r['peak_rss_bytes'] / 2**30:.2f}",
                   f"{r['kv_bytes_committed'] / 2**30:.2f}",
                   f"{r['same_tokens_as_vattn']}/{result['requests']}"] for r in result["rows"]])
-    console.print(f"the workload: {result['workload_flops'] / 1e12:.2f} TFLOP; this machine's float32 GEMM peak: "
+    console.print(f"the workload: {result['workload_flops'] / 1e12:.2f} TFLOP; this machine ({result['cpu']}, "
+                  f"bfloat16 instructions: {', '.join(result['cpu_bf16']) or 'none'}): {result['dtype']} GEMM peak "
                   f"{result['gemm_peak_gflops']:.0f} GFLOP/s")
     for rate, r in result["ratios"].items():
         console.print(f"rate {rate}: " + ", ".join(f"{k} {v:.2f}×" for k, v in r.items()))

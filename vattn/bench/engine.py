@@ -8,24 +8,25 @@ from vattn.workload import figure_rows, serve, workload
 
 def run(json_path: str | None, num_prompts: int, max_tokens: int, max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None, device: str = "cpu", rounds: int = 3,
-        attention: str | None = None, tensor_parallel_size: int = 1) -> dict:
+        attention: str | None = None, tensor_parallel_size: int = 1, dtype: str = "auto") -> dict:
     """Each figure the median of `rounds` runs, with and without the worker
     taking turns; `attention` names the engine's kernel; None: the engine's
-    default (of each setting).  With `tensor_parallel_size` > 1 every run
-    starts its ranks anew, each loading its shard of SmolLM2."""
+    default (of each setting).  SmolLM2 in the dtype `dtype` serves on the
+    CPU (bfloat16 on a GPU).  With `tensor_parallel_size` > 1 every run
+    starts its ranks anew, each loading its shard of it."""
     import torch
 
     from vattn import LLM
-    from vattn.models import ENGINE_DTYPE, load_smollm2
+    from vattn.models import load_model
 
     if tensor_parallel_size > 1:
         from transformers import AutoTokenizer
 
-        from vattn.models import smollm2_dir
+        from vattn.models import model_dir
 
-        model, tokenizer = None, AutoTokenizer.from_pretrained(smollm2_dir())  # each rank loads its own shard
+        model, tokenizer = None, AutoTokenizer.from_pretrained(model_dir())  # each rank loads its own shard
     else:
-        model, tokenizer = load_smollm2(dtype=ENGINE_DTYPE if device == "cpu" else torch.bfloat16)
+        model, tokenizer = load_model(dtype=dtype if device == "cpu" else torch.bfloat16)
         model = model.to(device)
     _, prompts, params = workload(tokenizer, num_prompts, max_tokens)
     results = {True: [], False: []}
@@ -34,7 +35,7 @@ def run(json_path: str | None, num_prompts: int, max_tokens: int, max_num_seqs: 
             limits = {k: v for k, v in dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
                       .items() if v is not None}
             llm = LLM(model, tokenizer, map_ahead=map_ahead, attention=attention,
-                      tensor_parallel_size=tensor_parallel_size, **limits)
+                      tensor_parallel_size=tensor_parallel_size, dtype=dtype if model is None else "auto", **limits)
             try:
                 results[map_ahead].append(serve(llm, prompts, params)[1])
             finally:

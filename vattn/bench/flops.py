@@ -1,5 +1,5 @@
-"""The arithmetic a workload costs a decoder-only model, and the fastest float32
-GEMM this machine runs, so that a system's speed reads as achieved GFLOP/s
+"""The arithmetic a workload costs a decoder-only model, and the fastest GEMM
+this machine runs in a dtype, so that a system's speed reads as achieved GFLOP/s
 against the machine's peak."""
 import time
 
@@ -37,15 +37,20 @@ def workload_flops(config, requests: list[dict]) -> int:
     return total
 
 
-def gemm_peak_gflops(repeats: int = 10) -> float:
-    """The best GFLOP/s of float32 GEMMs on every thread torch has: plain
-    `mm`, oneDNN's pre-packed linear and vattn's own GEMM where it runs
-    (`vattn.executor.gemm`), over a few large shapes."""
+def gemm_peak_gflops(dtype: torch.dtype = torch.float32, repeats: int = 10) -> float:
+    """The best GFLOP/s of GEMMs in `dtype` (float32, bfloat16) on every
+    thread torch has: plain `mm`, oneDNN's pre-packed linear where it packs
+    the dtype, and vattn's own GEMM where it runs (`vattn.executor.gemm`),
+    over a few large shapes."""
+    from vattn.executor.linears import packing
+
     best = 0.0
     for m, n, k in ((512, 1536, 576), (1024, 1024, 1024), (256, 49152, 576)):
-        x, w = torch.randn(m, k), torch.randn(n, k)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
-        calls = [lambda: x @ w.T, lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")]
+        x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+        calls = [lambda: x @ w.T]
+        if packing(w, native_gemm=False) == "onednn":
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, m)
+            calls.append(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
         if gemm.serves(w):
             panels = gemm.pack(w)
             calls.append(lambda: gemm.linear(x, panels, n))

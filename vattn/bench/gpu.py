@@ -62,10 +62,10 @@ def smollm2_on_gpu() -> tuple:
     """(model, tokenizer or None, what the model is) on the GPU, in bfloat16."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from vattn.models import load_smollm2
+    from vattn.models import load_model
 
     try:
-        model, tokenizer = load_smollm2(dtype=torch.bfloat16)
+        model, tokenizer = load_model(dtype=torch.bfloat16)
         what = "SmolLM2-135M-Instruct"
     except (RuntimeError, ImportError) as e:
         console.print(f"[yellow]SmolLM2's weights cannot be loaded here ({e}); running its architecture with "

@@ -98,10 +98,11 @@ def beam_reorder_ms(model, kind: str, context: int = 1024, beams: int = 4, steps
     return statistics.median(times) * 1e3
 
 
-def run(json_path: str | None = None, batches=(1, 8), new_tokens=(512, 2048), attn: str = "sdpa") -> dict:
-    from vattn.models import load_smollm2
+def run(json_path: str | None = None, batches=(1, 8), new_tokens=(512, 2048), attn: str = "sdpa",
+        dtype: str = "auto") -> dict:
+    from vattn.models import load_model
 
-    model, tokenizer = load_smollm2(attn_implementation=attn)
+    model, tokenizer = load_model(dtype=dtype, attn_implementation=attn)
     tokenizer.padding_side = "left"
     decode_run(model, tokenizer, "dynamic", 1, 8)  # warm-up: first-call costs land on no contender
     results = []

@@ -71,9 +71,9 @@ Trace = list[tuple[int, int]]  # (prompt tokens, output tokens) per request, all
 def sharegpt_trace(num: int, seed: int = 0) -> Trace:
     """Real ShareGPT conversations by vLLM's sampling rules (SmolLM2's tokenizer)."""
     from vattn import sharegpt
-    from vattn.models import load_smollm2
+    from vattn.models import load_model
 
-    _, tokenizer = load_smollm2()
+    _, tokenizer = load_model()
     return [(r.prompt_len, r.output_len) for r in sharegpt.sample(tokenizer, num, seed=seed)]
 
 

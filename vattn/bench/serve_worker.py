@@ -16,7 +16,7 @@ Systems: `vattn` (the engine on the virtual cache; `vattn_compiled` with
 (the same engine on `PagedKVCache`), `hf_continuous_batching` and
 `hf_static` (transformers' own serving paths, `hf_serving.py`).  Every one
 runs with the options in SETTINGS (`options`: the KV memory budget among
-them, see `e2e.settings`).
+them, see `e2e.settings`) over its `model` (a directory) in its `dtype`.
 """
 import json
 import os
@@ -32,9 +32,9 @@ def main(system: str, settings_path: str) -> None:
     settings = json.loads(Path(settings_path).read_text())
     import torch
 
-    from vattn.models import ENGINE_DTYPE, load_smollm2
+    from vattn.models import load_model
 
-    model, tokenizer = load_smollm2(dtype=ENGINE_DTYPE)
+    model, tokenizer = load_model(settings["model"], settings["dtype"])
     serve = SYSTEMS["paged" if system.startswith("paged_") else system]
     ran = settings | {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                       "dtype": str(model.dtype).removeprefix("torch.")}

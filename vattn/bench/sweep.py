@@ -14,17 +14,18 @@ LIMITS = ("max_num_seqs", "max_num_batched_tokens", "max_running_tokens")  # the
 
 
 def run(json_path: str | None, limits: dict[str, list], workload: str = "sharegpt", num_prompts: int | None = None,
-        max_tokens: int | None = None, rate: float = float("inf"), rounds: int = 3) -> dict:
-    """`limits`: the values of each of `LIMITS` to try."""
+        max_tokens: int | None = None, rate: float = float("inf"), rounds: int = 3, dtype: str = "auto") -> dict:
+    """`limits`: the values of each of `LIMITS` to try, over SmolLM2 in the dtype `dtype` serves."""
     from vattn.config import resolve
     from vattn.engine import EngineConfig
-    from vattn.models import ENGINE_DTYPE, load_smollm2
+    from vattn.models import load_model, model_dir
 
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     sizes = e2e.WORKLOADS[workload] | {k: v for k, v in dict(num_prompts=num_prompts, max_tokens=max_tokens).items()
                                        if v}
-    model, tokenizer = load_smollm2(dtype=ENGINE_DTYPE)
+    model, tokenizer = load_model(dtype=dtype)
+    served = str(model.dtype).removeprefix("torch.")
     engine = EngineConfig().for_model(model)
     budget = e2e.default_budget(resolve(engine.cache_config(model)))
     reqs = e2e.requests(tokenizer, workload, **sizes)
@@ -36,7 +37,8 @@ def run(json_path: str | None, limits: dict[str, list], workload: str = "sharegp
     try:
         for point in grid:
             name = "_".join(str(v) for v in point.values())
-            workers.append(e2e.Worker("vattn", {"memory_budget": budget} | point, log / f"vattn_{name}.log"))
+            workers.append(e2e.Worker("vattn", {"memory_budget": budget} | point, log / f"vattn_{name}.log",
+                                      str(model_dir()), served))
             workers[-1].serve(reqs[:4], [0.0] * min(4, len(reqs)))  # warm-up, not timed
         for k in range(rounds):
             for i in [*range(k % len(grid), len(grid)), *range(k % len(grid))]:

@@ -8,7 +8,7 @@ engine is up (the settings it runs with), then for each JSON line on stdin
 (a round: requests with arrival offsets) serves them, writes their tokens
 and times to the round's `out` file and answers one line.  vLLM runs at its
 own defaults (torch.compile on) except for what every system shares: the KV
-memory in bytes, float32, the context length; its prefix cache is reset
+memory in bytes, the model and its dtype, the context length; its prefix cache is reset
 before each round.  `peers.popen` gives it every core and the allocator and
 OpenMP runtime vLLM's CPU docs advise preloading.
 """

@@ -104,8 +104,9 @@ def serve(group: Group, model, settings: dict) -> None:
     the process (closing its connections, so rank 0's collective fails at
     once instead of waiting)."""
     try:
-        shard, _ = load(model, group.size, with_tokenizer=False)
-        config = EngineConfig(**settings).for_model(shard)
+        config = EngineConfig(**settings)
+        shard, _ = load(model, group.size, config.dtype)
+        config = config.for_model(shard)
         cache = make_cache(config.cache_config(shard), config.kv_cache, config.block_size)
         runner = ModelRunner(shard, cache, config.runner_options(sharded=True))
         kv = KVCacheManager(cache, config.enable_prefix_caching)
@@ -131,13 +132,13 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_here(model, group: Group | None):
-    """(the model, or rank 0's shard of it, and its tokenizer), once every
-    rank of `group` has loaded its own."""
+def load_here(model, group: Group | None, dtype="auto"):
+    """(the model, or rank 0's shard of it, in the dtype `dtype` serves, and
+    its tokenizer), once every rank of `group` has loaded its own."""
     if group is None:
-        return load(model, 1)
+        return load(model, 1, dtype)
     try:
-        loaded = load(model, group.size)
+        loaded = load(model, group.size, dtype)
         dist.barrier()
     except BaseException as e:
         raise group.failure(e) from e
@@ -154,10 +155,10 @@ def check_settings(size: int, model, device_type: str) -> None:
     if size > 1 and not callable(model):
         from transformers import AutoConfig
 
-        if model is None:
-            from vattn.models import smollm2_dir
+        from vattn.models import BUILT_IN, model_dir
 
-            model = smollm2_dir()
+        if model is None or model in BUILT_IN:
+            model = model_dir(model)
         check_shardable(AutoConfig.from_pretrained(model), size)
 
 

@@ -2,6 +2,9 @@
 import dataclasses
 from dataclasses import dataclass
 
+import torch
+
+from vattn import dtypes
 from vattn.checks import is_int, is_number
 from vattn.config import CacheConfig, check_utilization
 from vattn.executor.runner import RunnerOptions
@@ -36,12 +39,16 @@ class EngineConfig:
     `kv_cache="paged"` runs the same engine on the paged baseline
     (`vattn.PagedKVCache`, blocks of `block_size` tokens).
 
+    `dtype` is the one the model is served in ("auto", "float32",
+    "bfloat16", "float16": `vattn.dtypes`): `vattn.LLM` loads it so, and a
+    model given loaded must be in it ("auto": any).
+
     How the model runs (`runner_options`, `vattn.executor.runner.RunnerOptions`,
     where the rules of which apply live): `attention` names the attention
     kernel (`vattn.attention.registry.KERNELS`: "native", "flash", "triton",
     "sdpa"; None: the first that serves the cache).  `pack_linears` pre-packs
-    the model's linear weights on the CPU (float32 ones for vattn's own GEMM,
-    `vattn.executor.gemm`, where the CPU has AVX-512 and `native_gemm`; the
+    the model's linear weights on the CPU (for vattn's own GEMM,
+    `vattn.executor.gemm`, where it serves their dtype and `native_gemm`; the
     others for oneDNN) and `fuse_projections` runs Q/K/V and gate/up as one
     GEMM each where the architecture is known (`vattn.executor.linears`); the
     model is given back unchanged by `close()`.  `own_forward` runs the
@@ -49,8 +56,8 @@ class EngineConfig:
     forward over the model's modules (transformers' arithmetic without its
     per-call machinery); other models run their own forward.  With
     `fuse_elementwise` that forward runs its work between the GEMMs on
-    float32 rows on the host as one call into the C core each (equal to
-    transformers' within float32 rounding, not bit for bit).  `compile` runs
+    float32 or bfloat16 rows on the host as one call into the C core each
+    (equal to transformers' within float32 rounding, not bit for bit).  `compile` runs
     the model through `torch.compile` (one graph for every step, compiled by
     the first; inductor's freezing packs the weights, so `pack_linears`,
     `fuse_projections`, `own_forward` and `fuse_elementwise` do not apply).
@@ -60,6 +67,7 @@ class EngineConfig:
     `own_forward` and `fuse_elementwise` do not apply, nor does `compile`);
     `memory_budget` is then each rank's."""
 
+    dtype: str | torch.dtype = "auto"
     max_num_seqs: int = 64  # the batch limits `vattn bench sweep` found fastest (benchmarks/README.md)
     max_num_batched_tokens: int = 512
     max_running_tokens: int | None = 32768  # 29% less KV for 2% of the long chats' tokens/s (benchmarks/README.md)
@@ -95,6 +103,10 @@ class EngineConfig:
                      "pack_linears", "fuse_projections", "own_forward", "fuse_elementwise", "native_gemm", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        try:
+            dtypes.check(self.dtype)
+        except ValueError as e:
+            raise ValueError(f"EngineConfig.{e}") from None
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"EngineConfig.preemption_mode must be one of {PREEMPTION_MODES}, "
                              f"got {self.preemption_mode!r}")
@@ -121,8 +133,10 @@ class EngineConfig:
     def cache_config(self, model) -> CacheConfig:
         """The cache these settings build for `model` (its layers, this rank's
         KV heads, head size, dtype, device, and the settings of `CacheConfig`
-        this config has too)."""
-        return CacheConfig.from_model(model, self.tensor_parallel_size, **self._shared(CacheConfig))
+        this config has too, but `dtype`: the cache holds the model's)."""
+        shared = self._shared(CacheConfig)
+        del shared["dtype"]
+        return CacheConfig.from_model(model, self.tensor_parallel_size, **shared)
 
     def runner_options(self, sharded: bool) -> RunnerOptions:
         """How the model runs (`sharded`: this rank holds a tensor-parallel

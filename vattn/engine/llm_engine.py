@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
+from vattn import dtypes
 from vattn.checks import is_int
 from vattn.distributed.group import Group, Message, RankFailed
 from vattn.distributed.lockstep import RecordingKV, checked_books
@@ -45,6 +46,7 @@ class LLMEngine:
         `group` (rank 0 of `vattn.distributed.ranks.launch`), `model` is this
         rank's shard and every step is broadcast to the other ranks."""
         self.config = config = (config or EngineConfig(**settings)).for_model(model)
+        dtypes.check_model(config.dtype, model)
         if (config.tensor_parallel_size > 1) != (group is not None):
             raise ValueError("tensor_parallel_size > 1 runs through vattn.LLM, which starts the ranks")
         cache = make_cache(config.cache_config(model), config.kv_cache, config.block_size)

@@ -13,16 +13,18 @@ head run on the rows that sample only (in the elementwise forward, the last
 layer's o_proj and MLP too: the other rows' K/V are all the cache needs of
 them).
 
-With `elementwise` (float32 rows on the host) the work between the GEMMs
-runs as one call into the C core each (`vattn.binding`): RMSNorm with the
-residual add before it, SiLU(gate)·up, the rotary embedding in place.  The
-logits then equal transformers' within float32 rounding (the norm's sum and SiLU's exp
-are vattn's own), not bit for bit.  That forward writes its GEMMs' and
+With `elementwise` (float32 or bfloat16 rows on the host) the work between
+the GEMMs runs as one call into the C core each (`vattn.binding`): RMSNorm
+with the residual add before it, SiLU(gate)·up, the rotary embedding in
+place, summing in float32 and rounding bfloat16 where transformers does.
+The logits then equal transformers' within float32 rounding (the norm's sum
+and SiLU's exp are vattn's own), not bit for bit.  That forward writes its GEMMs' and
 kernels' rows into buffers it keeps (`_Buffers`), so a step allocates almost
 nothing; its logits are overwritten by the next call.  Where vattn's GEMM
-runs every linear and its kernel the attention (float32 on a host with
-AVX-512), all the layers are one call (`native/decoder.c`): the same
-kernels in the same order, with no Python between them.
+runs every linear and its kernel the attention (on the host: float32 where
+the CPU has AVX-512, bfloat16 where oneDNN does not pack it), all the layers
+are one call (`native/decoder.c`): the same kernels in the same order, with
+no Python between them.
 
 `DecoderForward.of(model)` is None for a model it cannot run as transformers
 would (another architecture, a layer of another kind, hooks on a module):
@@ -81,10 +83,10 @@ class DecoderForward:
                               (layer.input_layernorm, layer.post_attention_layernorm))
                        for i, layer in enumerate(inner.layers[:config.num_hidden_layers])]
         norms = [inner.norm, *(norm for layer in self.layers for norm in layer.norms)]
+        weights = [inner.embed_tokens.weight, *(n.weight for n in norms)]  # the kernels take one dtype a call
         self.elementwise = (fuse_elementwise and self.head_dim % 2 == 0
                             and self.head_dim <= binding.ROTATE_MAX_HEAD_DIM
-                            and all(binding.serves_rows(w) for w in [inner.embed_tokens.weight,
-                                                                     *(n.weight for n in norms)]))
+                            and all(binding.serves_rows(w) and w.dtype == rows for w in weights))
         self._buffers = _Buffers()
         self._one_call = None  # (data plane, *`_layer_arguments` for it)
         rope_type = inner.rotary_emb.rope_type
@@ -203,7 +205,7 @@ class DecoderForward:
     def _layer_arguments(self, step: AttentionStep) -> tuple[tuple | None, list[torch.Tensor]]:
         """The layers' arguments (None where the call cannot run them), and
         the tensors at their addresses, kept alive with them."""
-        if step.kernel.name != "native" or step.data.config.dtype != torch.float32:
+        if step.kernel.name != "native" or step.data.config.dtype != self.inner.embed_tokens.weight.dtype:
             return None, []
         linears = [m for layer in self.layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down_proj)]
         if not all(isinstance(m, Linear) and m.packing == "native" for m in linears):

@@ -1,12 +1,14 @@
-"""The engine's own float32 GEMM on the host (`native/linear.c`, through
-`vattn.binding`): `x W^T + b`
-over a weight packed once into panels of `PANEL` output columns
-(`[panels, in_features, PANEL]`, zeros past the last column).
+"""The engine's own GEMM on the host (`native/linear.c`, through
+`vattn.binding`): `x W^T + b` in float32 or bfloat16 over a weight packed
+once into panels of `PANEL` output columns (`[panels, in_features, PANEL]`,
+zeros past the last column).
 
-It runs where the CPU has AVX-512 (`serves`); at the few rows of a decode
-step it streams the weights faster than oneDNN's packed inner product and
+It runs float32 weights where the CPU has AVX-512: at the few rows of a
+decode step it streams them faster than oneDNN's packed inner product and
 vLLM's CPU linear, and at a prefill chunk's hundreds of rows it keeps pace
-with them (`vattn bench linears`).
+with them (`vattn bench linears`); elsewhere oneDNN does better.  It runs
+bfloat16 weights where oneDNN does not pack them (no AVX-512): torch's own
+bfloat16 linear there is 3-5 times slower than it (`vattn bench linears`).
 """
 import torch
 
@@ -18,8 +20,12 @@ _PAGES = HugePages()  # the packed weights: streamed from memory at a decode ste
 
 
 def serves(weight: torch.Tensor) -> bool:
-    """Whether `weight` can be packed for this GEMM (float32 on a host with AVX-512)."""
-    return binding.serves_rows(weight) and weight.dim() == 2 and binding.linear_serves()
+    """Whether `weight` is this GEMM's to run (see above)."""
+    if not (weight.is_cpu and weight.dim() == 2):
+        return False
+    if weight.dtype == torch.float32:
+        return binding.linear_serves()
+    return weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

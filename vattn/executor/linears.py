@@ -5,10 +5,11 @@
 back, its weight bit for bit.
 
 - Pack: a weight is reordered once for the GEMM that runs it, so no GEMM
-  reorders it on every call: float32 into the panels of vattn's own GEMM
-  (`vattn.executor.gemm`) where the CPU has AVX-512 and `native_gemm` is set; else
-  (and bfloat16) into oneDNN's blocked layout (torch's own mkldnn linear,
-  whose pre-packed form inductor's freezing path uses).  CPU only.
+  reorders it on every call: into the panels of vattn's own GEMM
+  (`vattn.executor.gemm`: float32 where the CPU has AVX-512, bfloat16 where
+  oneDNN does not pack it) where `native_gemm` is set; else into oneDNN's
+  blocked layout (torch's own mkldnn linear, whose pre-packed form
+  inductor's freezing path uses).  CPU only.
 - Fuse: in architectures known to project one input several times in a row
   (`MERGED`: Q, K and V; gate and up), those linears become one GEMM, and each
   original name holds a module that returns its columns of that GEMM's output.

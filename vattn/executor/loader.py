@@ -1,27 +1,27 @@
-"""Loading the model a runner serves: the built-in SmolLM2, a transformers
-checkpoint by name or directory, or the user's own loader; one rank's shard
-of it under tensor parallelism."""
+"""Loading the model a runner serves: a built-in model (`vattn.models`), a
+transformers checkpoint by name or directory, or the user's own loader; one
+rank's shard of it under tensor parallelism."""
 
 
-def load(model, size: int, with_tokenizer: bool = True):
+def load(model, size: int, dtype="auto"):
     """(this rank's shard of the model, its tokenizer or None).  `model`: None
-    (SmolLM2-135M-Instruct, float32), a transformers checkpoint's name or
-    directory, or a loader: a picklable function taking `from_pretrained`'s
-    keywords (`distributed_config`, for a shard) and giving back (model,
-    tokenizer).  One rank (`size` 1) loads the whole model."""
-    from transformers import AutoModelForCausalLM
+    (the default built-in model), a built-in model's name, a transformers
+    checkpoint's name or directory, or a loader: a picklable function taking
+    `from_pretrained`'s keywords (`distributed_config`, for a shard; `dtype`
+    where `dtype` is not "auto") and giving back (model, tokenizer).  One rank
+    (`size` 1) loads the whole model, in the dtype `dtype` serves
+    (`vattn.dtypes`)."""
     from transformers.distributed import DistributedConfig
+
+    from vattn import dtypes
+    from vattn.models import load_model
 
     shard = {"distributed_config": DistributedConfig(tp_size=size)} if size > 1 else {}
     if callable(model):
-        loaded, tokenizer = model(**shard)
-    elif model is None:
-        from vattn.models import ENGINE_DTYPE, load_smollm2
-
-        loaded, tokenizer = load_smollm2(dtype=ENGINE_DTYPE, **shard)
+        dtypes.check(dtype)
+        loaded, tokenizer = model(**shard, **({} if dtype == "auto" else {"dtype": dtypes.serve(dtype, None)}))
     else:
-        loaded = AutoModelForCausalLM.from_pretrained(model, dtype="auto", **shard).eval()
-        tokenizer = _tokenizer(model) if with_tokenizer else None
+        loaded, tokenizer = load_model(model, dtype, **shard)
     if size > 1:
         check_shardable(loaded.config, size)
     return loaded, tokenizer
@@ -39,12 +39,3 @@ def check_shardable(config, size: int) -> None:
     if kv_heads % size or heads % size:
         raise ValueError(f"tensor_parallel_size={size} must divide the model's {heads} attention heads and "
                          f"{kv_heads} KV heads (each rank holds its own)")
-
-
-def _tokenizer(name):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError):  # a checkpoint without one: prompts go as token ids
-        return None
