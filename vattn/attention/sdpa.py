@@ -73,7 +73,7 @@ class SdpaStep:
         packed[rows] = q.view(d, Hkv, H // Hkv, D)
         out = F.scaled_dot_product_attention(packed, K.transpose(1, 2), V.transpose(1, 2),
                                              attn_mask=self._mask(window), scale=scaling)
-        return out[rows].view(d, H, D)
+        return out[rows].reshape(d, H, D)  # on CUDA SDPA may give its output strided
 
     def _row_index(self) -> torch.Tensor:
         """Where each decode token's slot sits in the range `decode_rows`."""

@@ -170,13 +170,15 @@ def make_layouts(model: str, dtype: torch.dtype, lengths: list[int], device: str
     engine = EngineConfig()
     shape = MODELS[model]
     Hkv, D = shape.kv_heads, shape.head_dim
-    config = resolve(CacheConfig(shape.layers, Hkv, D, dtype, max_num_seqs=len(lengths), max_seq_len=max(lengths),
-                                 page_size=engine.page_size, layout=engine.layout, device=device))
+    base = CacheConfig(shape.layers, Hkv, D, dtype, max_num_seqs=len(lengths), max_seq_len=max(lengths),
+                       page_size=engine.page_size, layout=engine.layout, device=device)
+    config = resolve(base)
     layer0 = dataclasses.replace(config, num_layers=1, memory_budget=None)
     names = layouts(device)
     virtual = ({"vattn": config.layout, "vattn_interleaved": "interleaved"} if device == "cpu"
                else {cuda_name(layout, "sdpa"): layout for layout in CUDA_LAYOUTS})
-    caches = {name: VirtualKVCache(dataclasses.replace(config, layout=layout)) for name, layout in virtual.items()}
+    # each layout resolved on its own: its pages, and so the budget that holds every request, differ
+    caches = {name: VirtualKVCache(resolve(dataclasses.replace(base, layout=layout))) for name, layout in virtual.items()}
     caches |= {"contiguous": Contiguous(layer0), "paged_gather": PagedKVCache(layer0, block_size=engine.block_size)}
     if "paged_flash" in names:
         caches["paged_flash"] = PagedKVCache(layer0, block_size=flash.BLOCK_MULTIPLE)
