@@ -135,7 +135,8 @@ def _flat(message: dict) -> dict:
     return message
 
 
-async def _serve(server: Server, raw: Request, body: Sampling, prompts: list[list[int]], kind: str):
+async def _serve(server: Server, raw: Request, body: CompletionRequest | ChatRequest, prompts: list[list[int]],
+                 kind: str):
     """Queue the prompts, then answer whole or streamed (`kind`: the
     response's object, "text_completion" or "chat.completion")."""
     limit = server.max_model_len

@@ -32,7 +32,8 @@ class StreamOptions(BaseModel):
 
 
 class Sampling(BaseModel):
-    """What completions and chat completions share."""
+    """What completions and chat completions share; each also says its
+    answer's cap (`max_tokens_for`) and its `logprob_count`."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -61,17 +62,9 @@ class Sampling(BaseModel):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def max_tokens_for(self, prompt_len: int, context: int) -> int:
-        """The answer's cap for a prompt of `prompt_len` tokens."""
-        raise NotImplementedError
-
-    @property
-    def logprob_count(self) -> int | None:
-        """`SamplingParams.logprobs`: how many top tokens, or None."""
-        raise NotImplementedError
-
     def params(self, max_tokens: int) -> SamplingParams:
-        """The engine's `SamplingParams` (a `ValueError` names what is wrong)."""
+        """The engine's `SamplingParams` (a `ValueError` names what is wrong);
+        each request kind has `logprob_count`, the top tokens asked for or None."""
         try:
             bias = {int(t): b for t, b in (self.logit_bias or {}).items()}
         except ValueError:
