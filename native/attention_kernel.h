@@ -15,6 +15,42 @@ INLINE v8f NAME(fold)(vec x) {
 #endif
 }
 
+#if W == 16
+/* Paired (AVX512-BF16, over bfloat16 K/V): QK and PV on vdpbf16ps, each lane summing the products of a pair
+ * of bfloat16 values: the queries in bfloat16 as given (the scale multiplies the scores), K rows as stored,
+ * V rows two at a time, interleaved, against the probabilities rounded to bfloat16. */
+typedef uint16_t bf32 __attribute__((vector_size(64)));                /* 32 bfloat16 */
+typedef uint16_t bf32_u __attribute__((vector_size(64), aligned(1)));
+typedef uint16_t bf16v_u __attribute__((vector_size(32), aligned(1)));  /* 16 bfloat16 at any address */
+
+/* acc + in lane l a[2l]·b[2l] + a[2l+1]·b[2l+1]: in asm, as only the code for CPUs that have it runs it */
+INLINE vec dot2(vec acc, bf32 a, bf32 b) {
+    __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+
+/* Elements d .. d + 31 of a bfloat16 row of D (zeros past D; d + 16 <= D). */
+INLINE bf32 pairs_at(const void *row, int64_t d, int64_t D) {
+    const uint16_t *x = (const uint16_t *)row + d;
+    if (d + 32 <= D) return *(const bf32_u *)x;
+    return __builtin_shufflevector(*(const bf16v_u *)x, (bf16v_u){}, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
+                                   15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+/* Lane l: a[l] and b[l], a pair. */
+INLINE bf32 interleave(bf16v_u a, bf16v_u b) {
+    return __builtin_shufflevector(a, b, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26,
+                                   11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+}
+
+/* The pair at p broadcast to every lane. */
+INLINE bf32 broadcast_pair(const uint16_t *p) {
+    uint32_t word;
+    memcpy(&word, p, 4);
+    return (bf32)((vecu){} + word);
+}
+#endif
+
 #define DV (W == 16 ? 4 : 2) /* V vectors a query holds in registers: 16 accumulators at four queries */
 #define QG (W == 16 ? 3 : 1)  /* queries block_scores takes at once: 8 accumulators each, in 32 or 16 registers */
 
@@ -55,6 +91,45 @@ INLINE void NAME(accumulate)(float (*acc)[MAX_HEAD_DIM], const float *p, int64_t
         NAME(accumulate_at)(acc, p, pq, pt, v, vrow, nb, d, n, DV, bf16, ahead);
     for (; d < D; d += W, ahead = NULL) NAME(accumulate_at)(acc, p, pq, pt, v, vrow, nb, d, n, 1, bf16, ahead);
 }
+
+#if W == 16
+/* accumulate_at, paired: V rows t and t + 1 interleaved against the probabilities pb[i][t], pb[i][t + 1] (a
+ * row past nb: zeros, never read). */
+INLINE void accumulate_pairs_at(float (*acc)[MAX_HEAD_DIM], const uint16_t (*pb)[BLOCK], const char *v,
+                                int64_t vrow, int nb, int64_t d, const int n, const int nv, const Ahead *ahead) {
+    vec o[4][DV];
+#pragma GCC unroll 4
+    for (int i = 0; i < n; i++)
+#pragma GCC unroll 4
+        for (int k = 0; k < nv; k++) o[i][k] = *(vec *)&acc[i][d + k * W];
+    for (int t = 0; t < nb; t += 2) {
+        const uint16_t *a = (const uint16_t *)(v + t * vrow) + d, *b = (const uint16_t *)(v + (t + 1) * vrow) + d;
+        if (ahead && t < ahead->rows) fetch_row(ahead, t);
+        if (ahead && t + 1 < ahead->rows) fetch_row(ahead, t + 1);
+        bf32 x[DV];
+#pragma GCC unroll 4
+        for (int k = 0; k < nv; k++)
+            x[k] = interleave(*(const bf16v_u *)(a + k * W), t + 1 < nb ? *(const bf16v_u *)(b + k * W) : (bf16v_u){});
+#pragma GCC unroll 4
+        for (int i = 0; i < n; i++) {
+            const bf32 p = broadcast_pair(&pb[i][t]);
+#pragma GCC unroll 4
+            for (int k = 0; k < nv; k++) o[i][k] = dot2(o[i][k], p, x[k]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < n; i++)
+#pragma GCC unroll 4
+        for (int k = 0; k < nv; k++) *(vec *)&acc[i][d + k * W] = o[i][k];
+}
+
+INLINE void accumulate_pairs(float (*acc)[MAX_HEAD_DIM], const uint16_t (*pb)[BLOCK], const char *v, int64_t vrow,
+                             int nb, int64_t D, const int n, const Ahead *ahead) {
+    int64_t d = 0;
+    for (; d + DV * W <= D; d += DV * W, ahead = NULL) accumulate_pairs_at(acc, pb, v, vrow, nb, d, n, DV, ahead);
+    for (; d < D; d += W, ahead = NULL) accumulate_pairs_at(acc, pb, v, vrow, nb, d, n, 1, ahead);
+}
+#endif
 
 /* The tile's queries in lanes: QV vectors of W hold its TILE queries. */
 #define QV (TILE / W)
@@ -117,11 +192,24 @@ INLINE void NAME(probs_across)(Online *o, int nq, const char *kf, int64_t kfrow,
 /* s[i][c] (lane u: the score of row 8c + u) for n (a constant, at most QG) queries from i0 over a
  * whole block, each K value loaded once for all of them. */
 INLINE void NAME(block_scores)(const Online *o, int i0, const int n, const char *kf, int64_t kfrow, int64_t D,
-                               v8f (*s)[BLOCK / 8]) {
+                               v8f (*s)[BLOCK / 8], int paired) {
     for (int c = 0; c < BLOCK / 8; c++) {
         const char *rows = kf + 8 * c * kfrow;
         vec dot[QG][8] = {};
-        for (int64_t d = 0; d < D; d += W) {
+#if W == 16
+        for (int64_t d = 0; paired && d < D; d += 2 * W) {
+            bf32 qv[QG];
+#pragma GCC unroll 3
+            for (int i = 0; i < n; i++) qv[i] = *(const bf32 *)&o->qb[i0 + i][d];
+#pragma GCC unroll 8
+            for (int u = 0; u < 8; u++) {
+                const bf32 x = pairs_at(rows + u * kfrow, d, D);
+#pragma GCC unroll 3
+                for (int i = 0; i < n; i++) dot[i][u] = dot2(dot[i][u], qv[i], x);
+            }
+        }
+#endif
+        for (int64_t d = 0; !paired && d < D; d += W) {
             vec qv[QG];
 #pragma GCC unroll 3
             for (int i = 0; i < n; i++) qv[i] = *(const vec *)&o->qs[i0 + i][d];
@@ -137,7 +225,7 @@ INLINE void NAME(block_scores)(const Online *o, int i0, const int n, const char 
             v8f folded[8];
 #pragma GCC unroll 8
             for (int u = 0; u < 8; u++) folded[u] = NAME(fold)(dot[i][u]);
-            s[i][c] = reduce8(folded);
+            s[i][c] = paired ? reduce8(folded) * o->scale : reduce8(folded);
         }
     }
 }
@@ -146,7 +234,7 @@ INLINE void NAME(block_scores)(const Online *o, int i0, const int n, const char 
  * token's few query heads).  When every query reads the whole block they are scored QG at a time;
  * else each alone, the block's first or last rows row by row. */
 INLINE void NAME(probs_each)(Online *o, int nq, const char *kf, int64_t kfrow, int64_t b0, int nb, int64_t D,
-                             float (*p)[BLOCK]) {
+                             float (*p)[BLOCK], int paired) {
     const v8i lanes = {0, 1, 2, 3, 4, 5, 6, 7};
     const v8f none = (v8f){} - __builtin_inff();
     enum { CHUNKS = BLOCK / 8 };
@@ -155,8 +243,8 @@ INLINE void NAME(probs_each)(Online *o, int nq, const char *kf, int64_t kfrow, i
     for (int i = 0; i < nq && whole; i++) whole = o->qlo[i] <= b0 && o->qhi[i] >= b0 + BLOCK;
     if (whole) {
         int i = 0;
-        for (; i + QG <= nq; i += QG) NAME(block_scores)(o, i, QG, kf, kfrow, D, scores + i);
-        for (; i < nq; i++) NAME(block_scores)(o, i, 1, kf, kfrow, D, scores + i);
+        for (; i + QG <= nq; i += QG) NAME(block_scores)(o, i, QG, kf, kfrow, D, scores + i, paired);
+        for (; i < nq; i++) NAME(block_scores)(o, i, 1, kf, kfrow, D, scores + i, paired);
     }
     for (int i = 0; i < nq; i++) {
         int a = o->qlo[i] > b0 ? (int)(o->qlo[i] - b0) : 0, e = o->qhi[i] - b0 < nb ? (int)(o->qhi[i] - b0) : nb;
@@ -166,13 +254,18 @@ INLINE void NAME(probs_each)(Online *o, int nq, const char *kf, int64_t kfrow, i
             continue;
         }
         if (!whole && a == 0 && e == BLOCK) {
-            NAME(block_scores)(o, i, 1, kf, kfrow, D, scores + i);
+            NAME(block_scores)(o, i, 1, kf, kfrow, D, scores + i, paired);
         } else if (!whole) { /* the block's first or last rows: one at a time, -inf for the rest */
             for (int c = 0; c < CHUNKS; c++) s[c] = none;
             for (int t = a; t < e; t++) {
                 vec dot = {};
-                for (int64_t d = 0; d < D; d += W) dot += *(const vec *)&o->qs[i][d] * NAME(load)(kf + t * kfrow, d, 0);
-                s[t / 8][t % 8] = hsum(NAME(fold)(dot));
+#if W == 16
+                for (int64_t d = 0; paired && d < D; d += 2 * W)
+                    dot = dot2(dot, *(const bf32 *)&o->qb[i][d], pairs_at(kf + t * kfrow, d, D));
+#endif
+                for (int64_t d = 0; !paired && d < D; d += W)
+                    dot += *(const vec *)&o->qs[i][d] * NAME(load)(kf + t * kfrow, d, 0);
+                s[t / 8][t % 8] = paired ? hsum(NAME(fold)(dot)) * o->scale : hsum(NAME(fold)(dot));
             }
         }
         v8f top = s[0];
@@ -198,12 +291,15 @@ INLINE void NAME(probs_each)(Online *o, int nq, const char *kf, int64_t kfrow, i
     }
 }
 
-/* One split of a tile: online softmax over rows [item->lo, item->hi). */
-INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16) {
+/* One split of a tile: online softmax over rows [item->lo, item->hi); with `paired` (bf16 too), a decode
+ * split's on vdpbf16ps.  A prefill chunk's tiles stay widened to float32: paired, they measured about a tenth
+ * slower (`vattn bench kernels`, 512-token chunks). */
+INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16, int paired) {
     const Tile *tile = item->tile;
     const int64_t *r = c->reqs + tile->req * REQ_FIELDS;
     const int64_t D = c->D, G = c->G, esize = bf16 ? 2 : 4;
     const int nq = tile->nq, across = nq > ACROSS;
+    paired = paired && !across;
     const char *kbase = c->k + (r[REQ_SLOT] * c->k_slot + tile->head * c->k_head) * esize;
     const char *vbase = c->v + (r[REQ_SLOT] * c->v_slot + tile->head * c->v_head) * esize;
     const int64_t krow = c->k_row * esize, vrow = c->v_row * esize;
@@ -211,6 +307,7 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16) {
     Online o;
     float kblock[BLOCK][MAX_HEAD_DIM] __attribute__((aligned(64)));  /* bfloat16 K, converted */
     float p[TILE * BLOCK] __attribute__((aligned(64)));  /* across: [BLOCK][TILE], else [TILE][BLOCK] */
+    uint16_t pb[TILE][BLOCK] __attribute__((aligned(64)));  /* paired: p in bfloat16 */
     for (int i = 0; i < TILE; i++) {  /* lanes past nq read no rows */
         o.m[i] = -__builtin_inff();
         o.l[i] = 0;
@@ -219,10 +316,16 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16) {
     for (int i = 0; i < nq; i++) {
         int64_t j = tile->j0 + i, token = r[REQ_Q_FIRST] + j / G, head = tile->head * G + j % G;
         const char *row = c->q + (token * c->q_token + head * c->q_head) * esize;
-        for (int64_t d = 0; d < D; d++) o.qs[i][d] = scalar(row, d, bf16) * c->scale;
+        if (paired) {  /* zeros past D to a multiple of 32, as pairs_at reads K (D: a multiple of 16) */
+            memcpy(o.qb[i], row, D * esize);
+            memset(o.qb[i] + D, 0, (D % 32) * esize);
+        } else {
+            for (int64_t d = 0; d < D; d++) o.qs[i][d] = scalar(row, d, bf16) * c->scale;
+        }
         memset(o.acc[i], 0, D * sizeof(float));
         query_rows(c, r, j, &o.qlo[i], &o.qhi[i]);
     }
+    o.scale = c->scale;
     o.lo_max = 0;
     o.hi_min = INT64_MAX;
     for (int i = 0; i < nq; i++) {
@@ -244,7 +347,7 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16) {
         /* the block's K rows as float32: bfloat16 ones converted once for all the queries */
         const char *kf = k0;
         int64_t kfrow = krow;
-        if (bf16) {
+        if (bf16 && !paired) {
             for (int t = 0; t < nb; t++)
                 for (int64_t d = 0; d < D; d += W) *(vec *)&kblock[t][d] = NAME(load)(k0 + t * krow, d, 1);
             kf = (const char *)kblock;
@@ -255,13 +358,27 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16) {
         if (across) {  /* no prefetching: the many tiles of a prefill chunk find its rows in the cache */
             NAME(probs_across)(&o, nq, kf, kfrow, b0, nb, D, (float (*)[TILE])p);
         } else {
-            NAME(probs_each)(&o, nq, kf, kfrow, b0, nb, D, (float (*)[BLOCK])p);
+            NAME(probs_each)(&o, nq, kf, kfrow, b0, nb, D, (float (*)[BLOCK])p, paired);
             pq = BLOCK;
             pt = 1;
             const int64_t after = item->hi - b0 - nb;  /* rows past this block */
             next = (Ahead){k0 + nb * krow, v0 + nb * vrow, krow, vrow, D * esize, (int)(after < BLOCK ? after : BLOCK)};
         }
         const Ahead *fetch = next.rows > 0 ? &next : NULL;
+#if W == 16
+        if (paired) {  /* p in bfloat16: rows of BLOCK, zeros past nb (probs_each) */
+            for (int i = 0; i < nq; i++)
+                for (int t = 0; t < BLOCK; t += W) NAME(put)(pb[i], t, *(const vec *)&p[i * BLOCK + t], 1);
+            int i0 = 0;
+            for (; i0 + 4 <= nq; i0 += 4, fetch = NULL) accumulate_pairs(o.acc + i0, pb + i0, v0, vrow, nb, D, 4, fetch);
+            switch (nq - i0) {
+                case 3: accumulate_pairs(o.acc + i0, pb + i0, v0, vrow, nb, D, 3, fetch); break;
+                case 2: accumulate_pairs(o.acc + i0, pb + i0, v0, vrow, nb, D, 2, fetch); break;
+                case 1: accumulate_pairs(o.acc + i0, pb + i0, v0, vrow, nb, D, 1, fetch); break;
+            }
+            continue;
+        }
+#endif
         /* acc += p · V, four queries at a time */
         int i0 = 0;
         for (; i0 + 4 <= nq; i0 += 4, fetch = NULL)
@@ -288,13 +405,16 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16) {
     }
 }
 
-INLINE void NAME(run_items)(Call *c) {
+/* The items, taken in turn; `paired`: bfloat16 ones on vdpbf16ps. */
+INLINE void NAME(run_items)(Call *c, const int paired) {
     const int bf16 = c->bf16;
     for (long i; (i = atomic_fetch_add(&c->next, 1)) < c->num_items;) {
-        if (bf16)
-            NAME(run_item)(c, &c->items[i], 1);
+        if (bf16 && paired)
+            NAME(run_item)(c, &c->items[i], 1, 1);
+        else if (bf16)
+            NAME(run_item)(c, &c->items[i], 1, 0);
         else
-            NAME(run_item)(c, &c->items[i], 0);
+            NAME(run_item)(c, &c->items[i], 0, 0);
     }
 }
 

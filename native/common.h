@@ -10,7 +10,9 @@
  *   AVX512 and AVX2 target attributes, and the baseline: `PER_ISA`) and keeps
  *   its code in a table indexed by `Isa`, running the entry of the best this
  *   CPU has (`isa_best`), or the one `isa()` forces (`kernel_isa`); the GEMM
- *   is built for AVX-512 alone;
+ *   is built for AVX-512 alone, and only the attention kernel has code of its
+ *   own for AVX-512 with bfloat16 dot products (`avx512_bf16`: elsewhere it
+ *   runs the AVX-512 code);
  * - dtypes: float32 and bfloat16 (code 0 and 1), and the conversions
  *   between them;
  * - threads: `split` shares a range among OpenMP threads, the part of each
@@ -26,8 +28,8 @@
 
 /* ------------------------------------------------------------ instruction sets */
 
-typedef enum { ISA_AVX512, ISA_AVX2, ISA_BASELINE, NUM_ISAS } Isa;  /* best first */
-static const char *const ISA_NAMES[NUM_ISAS] = {"avx512", "avx2", "baseline"};
+typedef enum { ISA_AVX512_BF16, ISA_AVX512, ISA_AVX2, ISA_BASELINE, NUM_ISAS } Isa;  /* best first */
+static const char *const ISA_NAMES[NUM_ISAS] = {"avx512_bf16", "avx512", "avx2", "baseline"};
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 #define AVX2 __attribute__((target("avx2,fma")))
@@ -35,10 +37,13 @@ static const char *const ISA_NAMES[NUM_ISAS] = {"avx512", "avx2", "baseline"};
 static inline int isa_supported(Isa isa) {
     __builtin_cpu_init();
     const int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                       __builtin_cpu_supports("avx512vl");
     switch (isa) {
+    case ISA_AVX512_BF16:
+        return avx512 && __builtin_cpu_supports("avx512bf16");
     case ISA_AVX512:
-        return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl");
+        return avx512;
     case ISA_AVX2:
         return avx2;
     default:
@@ -63,13 +68,14 @@ static inline Isa isa_best(void) {
 extern Isa kernel_isa;
 
 /* static void name_avx512/_avx2/_baseline(const void *, int64_t lo, int64_t hi): `name` (an inline
- * function of those arguments) compiled for each instruction set, and their table `name_isa`. */
+ * function of those arguments) compiled for each instruction set, and their table `name_isa` (the AVX-512
+ * code for avx512_bf16). */
 #define PER_ISA(name, ...)                                                                                  \
     AVX512 __VA_ARGS__ static void name##_avx512(const void *a, int64_t lo, int64_t hi) { name(a, lo, hi); } \
     AVX2 __VA_ARGS__ static void name##_avx2(const void *a, int64_t lo, int64_t hi) { name(a, lo, hi); }     \
     __VA_ARGS__ static void name##_baseline(const void *a, int64_t lo, int64_t hi) { name(a, lo, hi); }      \
     static void (*const name##_isa[NUM_ISAS])(const void *, int64_t, int64_t) = {                            \
-        name##_avx512, name##_avx2, name##_baseline}
+        name##_avx512, name##_avx512, name##_avx2, name##_baseline}
 
 /* ------------------------------------------------------------ dtypes */
 

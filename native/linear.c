@@ -94,10 +94,12 @@ FOUR(baseline, , 8)
 
 #define ROW(isa, dtype, R) block_##isa##_##R##_##dtype
 #define UP_TO_4(isa, dtype) NULL, ROW(isa, dtype, 1), ROW(isa, dtype, 2), ROW(isa, dtype, 3), ROW(isa, dtype, 4)
+#define AVX512_BLOCKS                                                                                              \
+    {{UP_TO_4(avx512, f32), ROW(avx512, f32, 5), ROW(avx512, f32, 6), ROW(avx512, f32, 7), ROW(avx512, f32, 8)}, \
+     {UP_TO_4(avx512, bf16), ROW(avx512, bf16, 5), ROW(avx512, bf16, 6), ROW(avx512, bf16, 7), ROW(avx512, bf16, 8)}}
 /* BLOCKS[isa][bf16][R] */
 static const block_fn BLOCKS[NUM_ISAS][2][MAX_ROWS + 1] = {
-    {{UP_TO_4(avx512, f32), ROW(avx512, f32, 5), ROW(avx512, f32, 6), ROW(avx512, f32, 7), ROW(avx512, f32, 8)},
-     {UP_TO_4(avx512, bf16), ROW(avx512, bf16, 5), ROW(avx512, bf16, 6), ROW(avx512, bf16, 7), ROW(avx512, bf16, 8)}},
+    AVX512_BLOCKS, AVX512_BLOCKS,  /* avx512_bf16 and avx512 */
     {{UP_TO_4(avx2, f32)}, {UP_TO_4(avx2, bf16)}},
     {{UP_TO_4(baseline, f32)}, {UP_TO_4(baseline, bf16)}},
 };
@@ -141,7 +143,7 @@ static void panels(const Gemm *g, int64_t s0, int64_t s1) {
 #define BYTES(r) ((char *)(uintptr_t)(r)->ptr)
 
 /* Whether float32 weights are the engine's to run here (AVX-512): elsewhere oneDNN runs them faster. */
-static PyObject *linear_serves(PyObject *mod, PyObject *noargs) { return PyBool_FromLong(isa_best() == ISA_AVX512); }
+static PyObject *linear_serves(PyObject *mod, PyObject *noargs) { return PyBool_FromLong(isa_best() <= ISA_AVX512); }
 
 /* y's rows from x's through the weight of n outputs packed in w (with bias b). */
 static int check(const Rows *y, const Rows *x, const Rows *w, const Rows *b, int64_t n) {
@@ -187,7 +189,7 @@ static void run(const Gemm *g, int threads) {
  * -1: out of memory. */
 static int gemm_of(Gemm *g, const Rows *y, const Rows *x, const Rows *w, const Rows *b, int64_t n, float **widened) {
     *g = (Gemm){.x = (const float *)BYTES(x), .panels = BYTES(w), .bias = b ? BYTES(b) : NULL, .y = BYTES(y),
-                .bf16 = x->dtype == BF16, .max_rows = kernel_isa == ISA_AVX512 ? MAX_ROWS : ROWS_W8,
+                .bf16 = x->dtype == BF16, .max_rows = kernel_isa <= ISA_AVX512 ? MAX_ROWS : ROWS_W8,
                 .rows = x->rows, .n = n, .k = x->cols, .x_stride = x->stride, .y_stride = y->stride};
     *widened = NULL;
     if (!g->bf16) return 0;

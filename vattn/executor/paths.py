@@ -10,14 +10,17 @@ from vattn.executor import gemm
 def kernel_paths() -> list[tuple[str, str]]:
     """(kernel, the code it runs here) pairs."""
     isa, bf16 = binding.isa(), dtypes.cpu_bf16()
-    lanes = f"{isa}, {16 if isa == 'avx512' else 8} float32 lanes"
+    vector_isa = isa.removesuffix("_bf16")  # the code the kernels other than attention run under avx512_bf16
+    lanes = f"{vector_isa}, {16 if vector_isa == 'avx512' else 8} float32 lanes"
+    paired = ("bfloat16 K/V read as stored, QK and PV on vdpbf16ps (pairs of bfloat16 products, float32 sums)"
+              if isa == "avx512_bf16" else "bfloat16 K/V widened to float32 as read")
     own = {name: gemm.serves(torch.ones(1, 1, dtype=getattr(torch, name))) for name in ("float32", "bfloat16")}
     onednn = {"float32": "oneDNN, pre-packed",
               "bfloat16": f"oneDNN, pre-packed, on {', '.join(bf16) or 'AVX-512 without bfloat16 instructions'}"}
     auto, why = dtypes.choose("auto", torch.bfloat16)
     return [
-        ("attention (native)", f"{lanes}; bfloat16 K/V widened to float32 as read"),
-        ("elementwise (RMSNorm, SiLU·up, rotary)", f"{isa}; float32 and bfloat16 rows, float32 sums"),
+        ("attention (native)", f"{isa}, {16 if vector_isa == 'avx512' else 8} float32 lanes; {paired}"),
+        ("elementwise (RMSNorm, SiLU·up, rotary)", f"{vector_isa}; float32 and bfloat16 rows, float32 sums"),
         *((f"GEMM, {name}", f"vattn's, {lanes}" if own[name] else onednn[name]) for name in own),
         ("decoder layers in one call", ", ".join(name for name in own if own[name]) or "off: it needs vattn's GEMM"),
         ("bfloat16 instructions", ", ".join(bf16) or "none"),
