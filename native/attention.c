@@ -151,7 +151,10 @@ typedef struct {
         float qs[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));
         uint16_t qb[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));  /* paired: as given, in bfloat16 */
     };
-    float qt[MAX_HEAD_DIM][TILE] __attribute__((aligned(64)));
+    union {
+        float qt[MAX_HEAD_DIM][TILE] __attribute__((aligned(64)));
+        uint32_t qk[2][MAX_HEAD_DIM / 32][16][16] __attribute__((aligned(64)));  /* AMX: query tiles */
+    };
     float acc[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));
     float m[TILE] __attribute__((aligned(64))), l[TILE] __attribute__((aligned(64)));
     int64_t qlo[TILE], qhi[TILE];
@@ -167,6 +170,13 @@ INLINE void query_rows(const Call *c, const int64_t *r, int64_t j, int64_t *lo, 
     *hi = pos + 1;
 }
 
+/* What each query has summed so far times its factor corr[i] (the online softmax's, for a new maximum). */
+INLINE void rescale(Online *o, int nq, const float *corr, int64_t D) {
+    for (int i = 0; i < nq; i++)
+        if (corr[i] != 1.0f)
+            for (int64_t d = 0; d < D; d++) o->acc[i][d] *= corr[i];
+}
+
 /* The kernel at two vector widths: 16 lanes for AVX-512, 8 for AVX2 and the baseline. */
 #define W 16
 #include "attention_kernel.h"
@@ -175,12 +185,13 @@ INLINE void query_rows(const Call *c, const int64_t *r, int64_t j, int64_t *lo, 
 #include "attention_kernel.h"
 #undef W
 
-AVX512 static void run_items_avx512_bf16(Call *c) { run_items_w16(c, 1); }
-AVX512 static void run_items_avx512(Call *c) { run_items_w16(c, 0); }
-AVX2 static void run_items_avx2(Call *c) { run_items_w8(c, 0); }
-static void run_items_baseline(Call *c) { run_items_w8(c, 0); }
-static void (*const RUN_ITEMS[NUM_ISAS])(Call *) = {run_items_avx512_bf16, run_items_avx512, run_items_avx2,
-                                                    run_items_baseline};
+AVX512 static void run_items_amx(Call *c) { run_items_w16(c, 1, 1); }
+AVX512 static void run_items_avx512_bf16(Call *c) { run_items_w16(c, 1, 0); }
+AVX512 static void run_items_avx512(Call *c) { run_items_w16(c, 0, 0); }
+AVX2 static void run_items_avx2(Call *c) { run_items_w8(c, 0, 0); }
+static void run_items_baseline(Call *c) { run_items_w8(c, 0, 0); }
+static void (*const RUN_ITEMS[NUM_ISAS])(Call *) = {run_items_amx, run_items_avx512_bf16, run_items_avx512,
+                                                    run_items_avx2, run_items_baseline};
 
 #define run_items_isa RUN_ITEMS[kernel_isa]
 

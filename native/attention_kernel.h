@@ -153,22 +153,18 @@ INLINE void NAME(scores)(vec (*s)[QV], const float (*qt)[TILE], const char *k, i
         for (int v = 0; v < QV; v++) s[u][v] = dot[u][v];
 }
 
-/* A block's probabilities p[t][i] with the tile's queries in lanes (prefill chunks: many queries a
- * tile): scores masked to the rows each query reads, then the online softmax's max, sum and
- * rescale a vector of queries at a time.  Lanes past nq compute what they will: nothing reads them. */
-INLINE void NAME(probs_across)(Online *o, int nq, const char *kf, int64_t kfrow, int64_t b0, int nb, int64_t D,
-                               float (*p)[TILE]) {
-    vec s[BLOCK][QV];
-    int t = 0;
-    for (; t + ROWS <= nb; t += ROWS) NAME(scores)(s + t, o->qt, kf + t * kfrow, kfrow, D, ROWS);
-    for (; t < nb; t++) NAME(scores)(s + t, o->qt, kf + t * kfrow, kfrow, D, 1);
+/* A block's probabilities p[t][i] from its scores s[t] with the tile's queries in lanes (prefill chunks:
+ * many queries a tile): scores masked to the rows each query reads, then the online softmax's max, sum
+ * and rescale a vector of queries at a time.  Lanes past nq compute what they will: nothing reads them. */
+INLINE void NAME(softmax_across)(Online *o, int nq, vec (*s)[QV], int64_t b0, int nb, float (*p)[TILE],
+                                  float *corr) {
+    int t;
     const vec none = (vec){} - __builtin_inff(), one = (vec){} + 1.0f;
     const int partial = b0 < o->lo_max || b0 + nb > o->hi_min;  /* some query reads only some rows */
     if (partial)
         for (int i = 0; i < nq; i++)
             for (t = 0; t < nb; t++)
                 if (b0 + t < o->qlo[i] || b0 + t >= o->qhi[i]) s[t][i / W][i % W] = -__builtin_inff();
-    float corr[TILE] __attribute__((aligned(64)));
     for (int v = 0; v < QV; v++) {
         vec top = none;
         for (t = 0; t < nb; t++) top = blend(s[t][v] > top, s[t][v], top);
@@ -184,10 +180,138 @@ INLINE void NAME(probs_across)(Online *o, int nq, const char *kf, int64_t kfrow,
         *(vec *)&o->l[v * W] = *(vec *)&o->l[v * W] * c + sum;
         *(vec *)&corr[v * W] = c;
     }
-    for (int i = 0; i < nq; i++)
-        if (corr[i] != 1.0f)
-            for (int64_t d = 0; d < D; d++) o->acc[i][d] *= corr[i];
 }
+
+/* softmax_across of a block's scores, each K value broadcast against the queries. */
+INLINE void NAME(probs_across)(Online *o, int nq, const char *kf, int64_t kfrow, int64_t b0, int nb, int64_t D,
+                               float (*p)[TILE]) {
+    vec s[BLOCK][QV];
+    int t = 0;
+    for (; t + ROWS <= nb; t += ROWS) NAME(scores)(s + t, o->qt, kf + t * kfrow, kfrow, D, ROWS);
+    for (; t < nb; t++) NAME(scores)(s + t, o->qt, kf + t * kfrow, kfrow, D, 1);
+    float corr[TILE] __attribute__((aligned(64)));
+    NAME(softmax_across)(o, nq, s, b0, nb, p, corr);
+    rescale(o, nq, corr, D);
+}
+
+#if W == 16
+/* AMX (`tiles`: a prefill chunk's tile, over 16 queries, over bfloat16 K/V, the head dimension a multiple
+ * of 32), a block at a time: its scores as S^T = K·Q^T, K's rows loaded into tiles as stored against the queries paired along
+ * the head dimension (qk, made once a tile), then acc += P·V, the probabilities paired along the rows
+ * against V's rows interleaved two by two.  Tile registers, each 16 rows of 64 bytes: 0-3 the scores
+ * (rows × queries, by halves) and then the output, 4 K or V (and 7 V), 5 and 6 each half's queries or
+ * probabilities. */
+#define TILE_LOAD(n, at, stride) \
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #n ::"r"(at), "r"((int64_t)(stride)) : "memory")
+#define TILE_STORE(n, at, stride) \
+    __asm__ volatile("tilestored %%tmm" #n ", (%0,%1,1)" ::"r"(at), "r"((int64_t)(stride)) : "memory")
+#define TILE_ZERO(n) __asm__ volatile("tilezero %%tmm" #n ::)
+#define TILE_DOT(c, a, b) __asm__ volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+
+INLINE void tiles_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } config = {.palette = 1};
+    for (int i = 0; i < 8; i++) {
+        config.colsb[i] = 64;
+        config.rows[i] = 16;
+    }
+    __asm__ volatile("ldtilecfg %0" ::"m"(config));
+}
+
+INLINE void tiles_release(void) { __asm__ volatile("tilerelease" ::: "memory"); }
+
+/* qk[g][c][u][q]: query 16g + q's dimensions 32c + 2u and 32c + 2u + 1 (zeros past nq). */
+INLINE void query_tiles(Online *o, int nq, int64_t D) {
+    for (int g = 0; g < 2; g++)
+        for (int64_t c = 0; c < D / 32; c++)
+            for (int u = 0; u < 16; u++)
+                for (int q = 0, i = 16 * g; q < 16; q++, i++)
+                    o->qk[g][c][u][q] = i < nq ? o->qb[i][32 * c + 2 * u] | (uint32_t)o->qb[i][32 * c + 2 * u + 1] << 16 : 0;
+}
+
+/* acc += softmax(scores) · V over a block of nb rows (staged: room for K's rows, zero-padded, where nb < BLOCK). */
+INLINE void block_tiles(Online *o, int nq, const char *k0, int64_t krow, const char *v0, int64_t vrow, int64_t b0,
+                        int nb, int64_t D, uint16_t (*staged)[MAX_HEAD_DIM]) {
+    const char *k = k0;
+    int64_t kstride = krow;
+    if (nb < BLOCK) {  /* a tile reads 16 rows: none past nb */
+        for (int t = 0; t < BLOCK; t++)
+            if (t < nb)
+                memcpy(staged[t], k0 + t * krow, D * 2);
+            else
+                memset(staged[t], 0, D * 2);
+        k = (const char *)staged;
+        kstride = sizeof(staged[0]);
+    }
+    float s[BLOCK][TILE] __attribute__((aligned(64)));
+    TILE_ZERO(0);
+    TILE_ZERO(1);
+    TILE_ZERO(2);
+    TILE_ZERO(3);
+    for (int64_t c = 0; c < D / 32; c++) {
+        TILE_LOAD(5, o->qk[0][c], 64);
+        TILE_LOAD(6, o->qk[1][c], 64);
+        TILE_LOAD(4, k + c * 64, kstride);
+        TILE_DOT(0, 4, 5);
+        TILE_DOT(1, 4, 6);
+        TILE_LOAD(4, k + 16 * kstride + c * 64, kstride);
+        TILE_DOT(2, 4, 5);
+        TILE_DOT(3, 4, 6);
+    }
+    TILE_STORE(0, &s[0][0], sizeof(s[0]));
+    TILE_STORE(1, &s[0][16], sizeof(s[0]));
+    TILE_STORE(2, &s[16][0], sizeof(s[0]));
+    TILE_STORE(3, &s[16][16], sizeof(s[0]));
+    vec(*scores)[QV] = (vec(*)[QV])s;
+    for (int t = 0; t < nb; t++)
+        for (int v = 0; v < QV; v++) scores[t][v] *= o->scale;
+    float p[BLOCK][TILE] __attribute__((aligned(64))), corr[TILE] __attribute__((aligned(64)));
+    NAME(softmax_across)(o, nq, scores, b0, nb, p, corr);
+    rescale(o, nq, corr, D);
+
+    /* pa[q][j]: query q's probabilities of rows 2j and 2j + 1 in bfloat16 (zeros past nb) */
+    uint32_t pairs[BLOCK / 2][TILE] __attribute__((aligned(64))), pa[TILE][BLOCK / 2] __attribute__((aligned(64)));
+    for (int j = 0; j < BLOCK / 2; j++)
+        for (int v = 0; v < QV; v++) {
+            const vec lo = 2 * j < nb ? *(const vec *)&p[2 * j][v * W] : (vec){},
+                      hi = 2 * j + 1 < nb ? *(const vec *)&p[2 * j + 1][v * W] : (vec){};
+            *(vecu *)&pairs[j][v * W] = NAME(bf16_bits)(lo) | NAME(bf16_bits)(hi) << 16;
+        }
+    for (int q = 0; q < TILE; q++)
+        for (int j = 0; j < BLOCK / 2; j++) pa[q][j] = pairs[j][q];
+    /* vb[c][j]: dimensions 16c .. 16c + 15 of rows 2j and 2j + 1, interleaved (zeros past nb) */
+    bf32 vb[MAX_HEAD_DIM / 16][BLOCK / 2];
+    for (int j = 0; j < BLOCK / 2; j++) {
+        const uint16_t *a = (const uint16_t *)(v0 + 2 * j * vrow), *b = (const uint16_t *)(v0 + (2 * j + 1) * vrow);
+        for (int64_t c = 0; c < D / 16; c++)
+            vb[c][j] = interleave(2 * j < nb ? *(const bf16v_u *)(a + 16 * c) : (bf16v_u){},
+                                  2 * j + 1 < nb ? *(const bf16v_u *)(b + 16 * c) : (bf16v_u){});
+    }
+    TILE_LOAD(5, pa[0], sizeof(pa[0]));
+    TILE_LOAD(6, pa[16], sizeof(pa[0]));
+    for (int64_t c = 0; c < D / 16; c += 2) {  /* two chunks of dimensions at once: four products in flight */
+        float *a0 = &o->acc[0][16 * c], *a1 = &o->acc[16][16 * c];
+        const int64_t stride = sizeof(o->acc[0]);
+        TILE_LOAD(4, vb[c], 64);
+        TILE_LOAD(7, vb[c + 1], 64);
+        TILE_LOAD(0, a0, stride);
+        TILE_LOAD(1, a1, stride);
+        TILE_LOAD(2, a0 + 16, stride);
+        TILE_LOAD(3, a1 + 16, stride);
+        TILE_DOT(0, 5, 4);
+        TILE_DOT(1, 6, 4);
+        TILE_DOT(2, 5, 7);
+        TILE_DOT(3, 6, 7);
+        TILE_STORE(0, a0, stride);
+        TILE_STORE(1, a1, stride);
+        TILE_STORE(2, a0 + 16, stride);
+        TILE_STORE(3, a1 + 16, stride);
+    }
+}
+#endif
 
 /* s[i][c] (lane u: the score of row 8c + u) for n (a constant, at most QG) queries from i0 over a
  * whole block, each K value loaded once for all of them. */
@@ -294,11 +418,11 @@ INLINE void NAME(probs_each)(Online *o, int nq, const char *kf, int64_t kfrow, i
 /* One split of a tile: online softmax over rows [item->lo, item->hi); with `paired` (bf16 too), a decode
  * split's on vdpbf16ps.  A prefill chunk's tiles stay widened to float32: paired, they measured about a tenth
  * slower (`vattn bench kernels`, 512-token chunks). */
-INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16, int paired) {
+INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16, int paired, int amx) {
     const Tile *tile = item->tile;
     const int64_t *r = c->reqs + tile->req * REQ_FIELDS;
     const int64_t D = c->D, G = c->G, esize = bf16 ? 2 : 4;
-    const int nq = tile->nq, across = nq > ACROSS;
+    const int nq = tile->nq, across = nq > ACROSS, tiles = amx && across && D % 32 == 0;
     paired = paired && !across;
     const char *kbase = c->k + (r[REQ_SLOT] * c->k_slot + tile->head * c->k_head) * esize;
     const char *vbase = c->v + (r[REQ_SLOT] * c->v_slot + tile->head * c->v_head) * esize;
@@ -316,7 +440,7 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16, int paired
     for (int i = 0; i < nq; i++) {
         int64_t j = tile->j0 + i, token = r[REQ_Q_FIRST] + j / G, head = tile->head * G + j % G;
         const char *row = c->q + (token * c->q_token + head * c->q_head) * esize;
-        if (paired) {  /* zeros past D to a multiple of 32, as pairs_at reads K (D: a multiple of 16) */
+        if (paired || tiles) {  /* zeros past D to a multiple of 32, as pairs_at reads K (D: a multiple of 16) */
             memcpy(o.qb[i], row, D * esize);
             memset(o.qb[i] + D, 0, (D % 32) * esize);
         } else {
@@ -332,7 +456,10 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16, int paired
         o.lo_max = o.qlo[i] > o.lo_max ? o.qlo[i] : o.lo_max;
         o.hi_min = o.qhi[i] < o.hi_min ? o.qhi[i] : o.hi_min;
     }
-    if (across)
+#if W == 16
+    if (tiles) query_tiles(&o, nq, D);
+#endif
+    if (across && !tiles)
         for (int64_t d = 0; d < D; d++)
             for (int i = 0; i < TILE; i++) o.qt[d][i] = i < nq ? o.qs[i][d] : 0;
 
@@ -344,6 +471,12 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16, int paired
     for (int64_t b0 = item->lo; b0 < item->hi; b0 += BLOCK) {
         const int nb = (int)(item->hi - b0 < BLOCK ? item->hi - b0 : BLOCK);
         const char *k0 = kbase + b0 * krow, *v0 = vbase + b0 * vrow;
+#if W == 16
+        if (tiles) {
+            block_tiles(&o, nq, k0, krow, v0, vrow, b0, nb, D, (uint16_t (*)[MAX_HEAD_DIM])kblock);
+            continue;
+        }
+#endif
         /* the block's K rows as float32: bfloat16 ones converted once for all the queries */
         const char *kf = k0;
         int64_t kfrow = krow;
@@ -405,17 +538,25 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16, int paired
     }
 }
 
-/* The items, taken in turn; `paired`: bfloat16 ones on vdpbf16ps. */
-INLINE void NAME(run_items)(Call *c, const int paired) {
+/* The items, taken in turn; `paired`: bfloat16 ones on vdpbf16ps, and with `amx` on AMX tiles where they fill. */
+INLINE void NAME(run_items)(Call *c, const int paired, const int amx) {
     const int bf16 = c->bf16;
+#if W == 16
+    if (bf16 && amx) tiles_configure();
+#endif
     for (long i; (i = atomic_fetch_add(&c->next, 1)) < c->num_items;) {
-        if (bf16 && paired)
-            NAME(run_item)(c, &c->items[i], 1, 1);
+        if (bf16 && amx)
+            NAME(run_item)(c, &c->items[i], 1, 1, 1);
+        else if (bf16 && paired)
+            NAME(run_item)(c, &c->items[i], 1, 1, 0);
         else if (bf16)
-            NAME(run_item)(c, &c->items[i], 1, 0);
+            NAME(run_item)(c, &c->items[i], 1, 0, 0);
         else
-            NAME(run_item)(c, &c->items[i], 0, 0);
+            NAME(run_item)(c, &c->items[i], 0, 0, 0);
     }
+#if W == 16
+    if (bf16 && amx) tiles_release();
+#endif
 }
 
 

@@ -11,8 +11,8 @@
  *   its code in a table indexed by `Isa`, running the entry of the best this
  *   CPU has (`isa_best`), or the one `isa()` forces (`kernel_isa`); the GEMM
  *   is built for AVX-512 alone, and only the attention kernel has code of its
- *   own for AVX-512 with bfloat16 dot products (`avx512_bf16`: elsewhere it
- *   runs the AVX-512 code);
+ *   own for AVX-512 with bfloat16 dot products (`avx512_bf16`) and for AMX
+ *   (`amx`, which has those too): elsewhere they run the AVX-512 code;
  * - dtypes: float32 and bfloat16 (code 0 and 1), and the conversions
  *   between them;
  * - threads: `split` shares a range among OpenMP threads, the part of each
@@ -23,13 +23,21 @@
 
 #include <omp.h>
 #include <stdint.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define FAIL(...) (PyErr_Format(PyExc_ValueError, __VA_ARGS__), -1)
 
 /* ------------------------------------------------------------ instruction sets */
 
-typedef enum { ISA_AVX512_BF16, ISA_AVX512, ISA_AVX2, ISA_BASELINE, NUM_ISAS } Isa;  /* best first */
-static const char *const ISA_NAMES[NUM_ISAS] = {"avx512_bf16", "avx512", "avx2", "baseline"};
+typedef enum { ISA_AMX, ISA_AVX512_BF16, ISA_AVX512, ISA_AVX2, ISA_BASELINE, NUM_ISAS } Isa;  /* best first */
+static const char *const ISA_NAMES[NUM_ISAS] = {"amx", "avx512_bf16", "avx512", "avx2", "baseline"};
+
+/* Whether this process may use AMX's tile data, which Linux grants on asking (arch_prctl, once). */
+static inline int amx_permitted(void) {
+    enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 #define AVX2 __attribute__((target("avx2,fma")))
@@ -40,6 +48,9 @@ static inline int isa_supported(Isa isa) {
     const int avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                        __builtin_cpu_supports("avx512vl");
     switch (isa) {
+    case ISA_AMX:
+        return avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("amx-tile") &&
+               __builtin_cpu_supports("amx-bf16") && amx_permitted();
     case ISA_AVX512_BF16:
         return avx512 && __builtin_cpu_supports("avx512bf16");
     case ISA_AVX512:
@@ -75,7 +86,7 @@ extern Isa kernel_isa;
     AVX2 __VA_ARGS__ static void name##_avx2(const void *a, int64_t lo, int64_t hi) { name(a, lo, hi); }     \
     __VA_ARGS__ static void name##_baseline(const void *a, int64_t lo, int64_t hi) { name(a, lo, hi); }      \
     static void (*const name##_isa[NUM_ISAS])(const void *, int64_t, int64_t) = {                            \
-        name##_avx512, name##_avx512, name##_avx2, name##_baseline}
+        name##_avx512, name##_avx512, name##_avx512, name##_avx2, name##_baseline}
 
 /* ------------------------------------------------------------ dtypes */
 

@@ -99,7 +99,7 @@ FOUR(baseline, , 8)
      {UP_TO_4(avx512, bf16), ROW(avx512, bf16, 5), ROW(avx512, bf16, 6), ROW(avx512, bf16, 7), ROW(avx512, bf16, 8)}}
 /* BLOCKS[isa][bf16][R] */
 static const block_fn BLOCKS[NUM_ISAS][2][MAX_ROWS + 1] = {
-    AVX512_BLOCKS, AVX512_BLOCKS,  /* avx512_bf16 and avx512 */
+    AVX512_BLOCKS, AVX512_BLOCKS, AVX512_BLOCKS,  /* amx, avx512_bf16 and avx512 */
     {{UP_TO_4(avx2, f32)}, {UP_TO_4(avx2, bf16)}},
     {{UP_TO_4(baseline, f32)}, {UP_TO_4(baseline, bf16)}},
 };

@@ -43,7 +43,7 @@ static PyObject *isa(PyObject *mod, PyObject *args) {
 static PyMethodDef MODULE_METHODS[] = {
     {"isa", isa, METH_VARARGS,
      "isa([name]): the instruction set the attention and elementwise kernels run, after forcing name "
-     "('avx512_bf16', 'avx512', 'avx2', 'baseline': one this CPU has)."},
+     "('amx', 'avx512_bf16', 'avx512', 'avx2', 'baseline': one this CPU has)."},
     {NULL},
 };
 

@@ -14,7 +14,7 @@ import vattn.binding as binding
 def runnable_isas() -> list[str]:
     """The instruction sets this CPU runs (`binding.isa` refuses the others)."""
     best, found = binding.isa(), []
-    for isa in ("avx512_bf16", "avx512", "avx2", "baseline"):
+    for isa in ("amx", "avx512_bf16", "avx512", "avx2", "baseline"):
         try:
             binding.isa(isa)
             found.append(isa)
