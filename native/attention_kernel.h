@@ -449,6 +449,7 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16, int paired
         memset(o.acc[i], 0, D * sizeof(float));
         query_rows(c, r, j, &o.qlo[i], &o.qhi[i]);
     }
+    for (int i = nq; tiles && i < TILE; i++) memset(o.acc[i], 0, D * sizeof(float));  /* tiles compute them too */
     o.scale = c->scale;
     o.lo_max = 0;
     o.hi_min = INT64_MAX;

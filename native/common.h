@@ -33,7 +33,7 @@
 typedef enum { ISA_AMX, ISA_AVX512_BF16, ISA_AVX512, ISA_AVX2, ISA_BASELINE, NUM_ISAS } Isa;  /* best first */
 static const char *const ISA_NAMES[NUM_ISAS] = {"amx", "avx512_bf16", "avx512", "avx2", "baseline"};
 
-/* Whether this process may use AMX's tile data, which Linux grants on asking (arch_prctl, once). */
+/* Whether this process may use AMX's tile data, which Linux grants a process that asks (arch_prctl). */
 static inline int amx_permitted(void) {
     enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;

@@ -128,11 +128,12 @@ def test_bench_soak_passes_on_a_few_requests(tmp_path):
 
 def test_bench_e2e_runs_every_system(tmp_path):
     """Two prompts through every system, vLLM's engine among them, all at once and at 8 requests/s."""
+    from vattn import allocator
     from vattn.bench import peers
 
     assert peers.vllm_python() is not None, peers.HOW
     path = tmp_path / "e2e.json"
-    out = vattn("bench", "e2e", "--num-prompts", "2", "--max-tokens", "6", "--rounds", "1",
+    out = vattn("bench", "e2e", "--num-prompts", "2", "--max-tokens", "6", "--rounds", "1", "--dtype", "float32",
                 "--request-rate", "inf", "8", "--json", str(path), "--plot", str(tmp_path),
                 timeout=900)  # vLLM compiles its model first: about 2 minutes of a 2-core AVX2 CPU uncached
     assert "end to end: 2 sharegpt requests" in out and "batch size sweep" in out
@@ -154,6 +155,7 @@ def test_bench_e2e_runs_every_system(tmp_path):
         assert vattn_ran["options"]["memory_budget"] == vllm_ran["kv_cache_memory_bytes"] == result["kv_budget_bytes"]
         assert vattn_ran["dtype"] == vllm_ran["dtype"] == "float32"
         assert vattn_ran["torch_threads"] == os.cpu_count()
+        assert vattn_ran["allocator"].startswith("tcmalloc" if allocator.TCMALLOC.exists() else "glibc")
         assert vllm_ran["omp_threads_bind"] == f"0-{os.cpu_count() - 1}"
         assert vllm_ran["reserved_cpus"] == "0" and not vllm_ran["enforce_eager"]
         assert "libiomp5.so" in vllm_ran["ld_preload"]  # as vLLM's CPU docs advise

@@ -165,6 +165,24 @@ def test_every_instruction_set_gives_the_reference_s_answer(isa, dtype):
     assert close(out, reference(q, K, V, table, 0.09, 50), dtype)
 
 
+@pytest.mark.parametrize("dim", [64, 80, 128, 256])
+@pytest.mark.parametrize("isa", runnable_isas())
+def test_prefill_chunks_in_bfloat16_give_the_reference_s_answer_on_every_instruction_set(isa, dim):
+    """Prefill tiles of 17 to 32 queries in bfloat16 (AMX tiles where the CPU has them and the head
+    dimension is a multiple of 32; 80 is not): blocks cut short by a length or a start, causal
+    diagonals, a window, and a chunk that ends mid-block."""
+    heads, kv_heads = 8, 2
+    lengths = [70, 333, 1000, 45]
+    cache, K, V = cache_views("per_head", heads, kv_heads, dim, lengths, torch.bfloat16)
+    rows = [(0, 0, 70, 0, 70), (1, 5, 333, 70, 300), (2, 0, 1000, 370, 5), (3, 0, 45, 375, 17)]
+    q = torch.randn(392, heads, dim, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    table = request_table(rows)
+    for window in (None, 40):
+        with forced(isa):
+            out = attend(q, K, V, table, dim ** -0.5, window)
+        assert close(out, reference(q, K, V, table, dim ** -0.5, window), torch.bfloat16)
+
+
 def test_threads_split_long_requests_and_merge_them():
     """A long decode and a prefill chunk with history (its tiles of many
     queries taken in lanes) on several threads, cut into splits and merged;

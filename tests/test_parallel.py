@@ -127,7 +127,7 @@ def test_three_ranks_serve_smollm2_as_one_does():
     model, tokenizer = load_model(dtype=torch.float32)
     chats = [chat_prompt(tokenizer, t) for t in ("What is the capital of France?", "Name three colours.")]
     reference = [hf_greedy(model, p, 12, ignore_eos=True) for p in chats]
-    llm = LLM(tensor_parallel_size=3, max_num_seqs=4, max_seq_len=256)
+    llm = LLM(tensor_parallel_size=3, max_num_seqs=4, max_seq_len=256, dtype="float32")
     try:
         config = llm.engine.kv.cache.config
         assert (config.num_kv_heads, config.num_layers) == (1, 30)  # SmolLM2's 3 KV heads, one a rank

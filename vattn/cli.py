@@ -4,12 +4,13 @@ import os
 import platform
 import sys
 
+from vattn import allocator
+
 
 def info(args) -> None:
     import torch
 
     import vattn
-    from vattn import allocator
     from vattn.backends import get_backend
     from vattn.backends.cuda import unavailable
     from vattn.report import print_table
@@ -298,8 +299,7 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS),
                    help=f"systems to run (default: {' '.join(SYSTEMS)}; paged_N for other block sizes, "
                         "vattn_compiled for the engine with compile=True)")
-    p.add_argument("--kv-budget", help="KV memory of every system in bytes, e.g. 2GiB (default: 32 sequences of "
-                                       "2,048 tokens)")
+    p.add_argument("--kv-budget", help="KV bytes of every system, e.g. 2GiB (default: 32 sequences of 2,048 tokens)")
     p.add_argument("--quick", action="store_true", help="a smaller run (12 requests, answers ≤ 32 tokens)")
     p.add_argument("--log-dir", help="where the systems' logs go (default: a temporary folder)")
     from vattn.models import BUILT_IN
@@ -315,10 +315,7 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command; run as one (`argv` None), under tcmalloc where it is installed (`vattn.allocator`)."""
-    if argv is None:
-        from vattn import allocator
-
+    if argv is None:  # run as a command: under tcmalloc where it is installed
         allocator.run_with_tcmalloc()
     parser = argparse.ArgumentParser(prog="vattn", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)

@@ -10,16 +10,19 @@ from vattn.executor import gemm
 def kernel_paths() -> list[tuple[str, str]]:
     """(kernel, the code it runs here) pairs."""
     isa, bf16 = binding.isa(), dtypes.cpu_bf16()
-    vector_isa = isa.removesuffix("_bf16")  # the code the kernels other than attention run under avx512_bf16
+    # the code the kernels other than attention run under amx and avx512_bf16
+    vector_isa = "avx512" if isa in ("amx", "avx512_bf16") else isa
     lanes = f"{vector_isa}, {16 if vector_isa == 'avx512' else 8} float32 lanes"
-    paired = ("bfloat16 K/V read as stored, QK and PV on vdpbf16ps (pairs of bfloat16 products, float32 sums)"
-              if isa == "avx512_bf16" else "bfloat16 K/V widened to float32 as read")
+    paired = "decode: bfloat16 QK and PV on vdpbf16ps, K read as stored"
+    attention_bf16 = {"amx": f"{paired}; prefill chunks: QK and PV on AMX tiles (head dim a multiple of 32)",
+                      "avx512_bf16": f"{paired}; prefill chunks: bfloat16 widened to float32"}.get(
+                          isa, "bfloat16 K/V widened to float32 as read")
     own = {name: gemm.serves(torch.ones(1, 1, dtype=getattr(torch, name))) for name in ("float32", "bfloat16")}
     onednn = {"float32": "oneDNN, pre-packed",
               "bfloat16": f"oneDNN, pre-packed, on {', '.join(bf16) or 'AVX-512 without bfloat16 instructions'}"}
     auto, why = dtypes.choose("auto", torch.bfloat16)
     return [
-        ("attention (native)", f"{isa}, {16 if vector_isa == 'avx512' else 8} float32 lanes; {paired}"),
+        ("attention (native)", f"{isa}, {16 if vector_isa == 'avx512' else 8} float32 lanes; {attention_bf16}"),
         ("elementwise (RMSNorm, SiLU·up, rotary)", f"{vector_isa}; float32 and bfloat16 rows, float32 sums"),
         *((f"GEMM, {name}", f"vattn's, {lanes}" if own[name] else onednn[name]) for name in own),
         ("decoder layers in one call", ", ".join(name for name in own if own[name]) or "off: it needs vattn's GEMM"),
