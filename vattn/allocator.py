@@ -41,5 +41,6 @@ def name() -> str:
     """The allocator this process runs, for `vattn info`."""
     if loaded():
         return f"tcmalloc ({TCMALLOC})"
-    why = "VATTN_TCMALLOC=0" if TCMALLOC.exists() else f"no {TCMALLOC}: apt install libtcmalloc-minimal4"
-    return f"glibc malloc ({why})"
+    if not TCMALLOC.exists():
+        return f"glibc malloc (no {TCMALLOC}: apt install libtcmalloc-minimal4)"
+    return "glibc malloc (VATTN_TCMALLOC=0)" if not wanted() else f"glibc malloc (not preloaded: LD_PRELOAD={TCMALLOC})"

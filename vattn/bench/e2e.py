@@ -19,8 +19,9 @@ page several of those processes share (vLLM runs several) counts once.
 shared page once per process.  The memory ratios are on PSS.
 
 Fair by construction: one model (a built-in one, `vattn.models`) in one
-dtype (what `--dtype` serves on this CPU: `vattn.dtypes`), both cores, one memory
-allocator (tcmalloc where installed: `vattn.allocator`), the same token ids, greedy, EOS ignored (every answer is exactly its cap long), the same
+dtype (what `--dtype` serves on this CPU: `vattn.dtypes`), both cores, one
+memory allocator (tcmalloc where installed: `vattn.allocator`), the same
+token ids, greedy, EOS ignored (every answer is exactly its cap long), the same
 arrival times, and the same KV memory in bytes (`settings`).  Workloads:
 `sharegpt` (first turns through the chat template, answers of the reference
 reply's length up to 128 tokens) and `long` (conversations taken whole, 1,000
