@@ -24,9 +24,10 @@
  * OpenMP threads with the GIL released, longest first, and a tile's splits
  * are merged (flash-decoding).  Inner loops use GCC vector types: the body
  * (attention_kernel.h) is compiled at 16 lanes for AVX-512 and at 8 for AVX2/FMA
- * and for the baseline ISA, and the CPU's features pick one at run time; with
- * AVX512-BF16 a decode tile over bfloat16 K/V computes QK and PV on vdpbf16ps
- * (`paired`), reading K as stored and V two rows at a time.
+ * and for the baseline ISA, and the CPU's features pick one at run time; over
+ * bfloat16 K/V, with AVX512-BF16 a decode tile computes QK and PV on vdpbf16ps
+ * (`paired`), reading K as stored and V two rows at a time, and with AMX a
+ * prefill tile on AMX tiles (`tiles`).
  *
  * With new_k and new_v ([T, H_kv, D], a row per query token), each request's
  * new tokens' K/V are first stored at their rows of its slot, so one call
@@ -149,7 +150,7 @@ typedef struct {
 typedef struct {
     union {
         float qs[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));
-        uint16_t qb[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));  /* paired: as given, in bfloat16 */
+        uint16_t qb[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));  /* paired and AMX: as given, bfloat16 */
     };
     union {
         float qt[MAX_HEAD_DIM][TILE] __attribute__((aligned(64)));
@@ -159,7 +160,7 @@ typedef struct {
     float m[TILE] __attribute__((aligned(64))), l[TILE] __attribute__((aligned(64)));
     int64_t qlo[TILE], qhi[TILE];
     int64_t lo_max, hi_min;  /* the rows every query reads: [lo_max, hi_min) */
-    float scale;             /* paired: of the scores (else in qs and qt) */
+    float scale;             /* paired and AMX: of the scores (else folded into qs and qt) */
 } Online;
 
 /* Query j of a tile: its token and head within the request, and its rows. */
