@@ -313,6 +313,28 @@ INLINE void block_tiles(Online *o, int nq, const char *k0, int64_t krow, const c
 }
 #endif
 
+#if W == 16
+/* block_scores of a decode tile's queries (16 at most) over a whole block, all at once on AMX tiles: S^T =
+ * K·Q^T as block_tiles computes it, then each query's column. */
+INLINE void scores_tiles(const Online *o, int nq, const char *kf, int64_t kfrow, int64_t D, v8f (*s)[BLOCK / 8]) {
+    float st[BLOCK][16] __attribute__((aligned(64)));
+    TILE_ZERO(0);
+    TILE_ZERO(2);
+    for (int64_t c = 0; c < D / 32; c++) {
+        TILE_LOAD(5, o->qk[0][c], 64);
+        TILE_LOAD(4, kf + c * 64, kfrow);
+        TILE_DOT(0, 4, 5);
+        TILE_LOAD(4, kf + 16 * kfrow + c * 64, kfrow);
+        TILE_DOT(2, 4, 5);
+    }
+    TILE_STORE(0, st[0], sizeof(st[0]));
+    TILE_STORE(2, st[16], sizeof(st[0]));
+    for (int i = 0; i < nq; i++)
+        for (int c = 0; c < BLOCK / 8; c++)
+            for (int u = 0; u < 8; u++) s[i][c][u] = st[8 * c + u][i] * o->scale;
+}
+#endif
+
 /* s[i][c] (lane u: the score of row 8c + u) for n (a constant, at most QG) queries from i0 over a
  * whole block, each K value loaded once for all of them. */
 INLINE void NAME(block_scores)(const Online *o, int i0, const int n, const char *kf, int64_t kfrow, int64_t D,
@@ -358,14 +380,17 @@ INLINE void NAME(block_scores)(const Online *o, int i0, const int n, const char 
  * token's few query heads).  When every query reads the whole block they are scored QG at a time;
  * else each alone, the block's first or last rows row by row. */
 INLINE void NAME(probs_each)(Online *o, int nq, const char *kf, int64_t kfrow, int64_t b0, int nb, int64_t D,
-                             float (*p)[BLOCK], int paired) {
+                             float (*p)[BLOCK], int paired, int tiles) {
     const v8i lanes = {0, 1, 2, 3, 4, 5, 6, 7};
     const v8f none = (v8f){} - __builtin_inff();
     enum { CHUNKS = BLOCK / 8 };
     v8f scores[ACROSS][CHUNKS];
     int whole = nb == BLOCK;  /* every query reads every row of the block */
     for (int i = 0; i < nq && whole; i++) whole = o->qlo[i] <= b0 && o->qhi[i] >= b0 + BLOCK;
-    if (whole) {
+#if W == 16
+    if (whole && tiles) scores_tiles(o, nq, kf, kfrow, D, scores);
+#endif
+    if (whole && !tiles) {
         int i = 0;
         for (; i + QG <= nq; i += QG) NAME(block_scores)(o, i, QG, kf, kfrow, D, scores + i, paired);
         for (; i < nq; i++) NAME(block_scores)(o, i, 1, kf, kfrow, D, scores + i, paired);
@@ -422,7 +447,7 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16, int paired
     const Tile *tile = item->tile;
     const int64_t *r = c->reqs + tile->req * REQ_FIELDS;
     const int64_t D = c->D, G = c->G, esize = bf16 ? 2 : 4;
-    const int nq = tile->nq, across = nq > ACROSS, tiles = amx && across && D % 32 == 0;
+    const int nq = tile->nq, across = nq > ACROSS, tiles = amx && D % 32 == 0;  /* AMX: whole blocks */
     paired = paired && !across;
     const char *kbase = c->k + (r[REQ_SLOT] * c->k_slot + tile->head * c->k_head) * esize;
     const char *vbase = c->v + (r[REQ_SLOT] * c->v_slot + tile->head * c->v_head) * esize;
@@ -449,7 +474,7 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16, int paired
         memset(o.acc[i], 0, D * sizeof(float));
         query_rows(c, r, j, &o.qlo[i], &o.qhi[i]);
     }
-    for (int i = nq; tiles && i < TILE; i++) memset(o.acc[i], 0, D * sizeof(float));  /* tiles compute them too */
+    for (int i = nq; tiles && across && i < TILE; i++) memset(o.acc[i], 0, D * sizeof(float));  /* tiles compute them */
     o.scale = c->scale;
     o.lo_max = 0;
     o.hi_min = INT64_MAX;
@@ -473,7 +498,7 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16, int paired
         const int nb = (int)(item->hi - b0 < BLOCK ? item->hi - b0 : BLOCK);
         const char *k0 = kbase + b0 * krow, *v0 = vbase + b0 * vrow;
 #if W == 16
-        if (tiles) {
+        if (tiles && across) {
             block_tiles(&o, nq, k0, krow, v0, vrow, b0, nb, D, (uint16_t (*)[MAX_HEAD_DIM])kblock);
             continue;
         }
@@ -492,7 +517,7 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16, int paired
         if (across) {  /* no prefetching: the many tiles of a prefill chunk find its rows in the cache */
             NAME(probs_across)(&o, nq, kf, kfrow, b0, nb, D, (float (*)[TILE])p);
         } else {
-            NAME(probs_each)(&o, nq, kf, kfrow, b0, nb, D, (float (*)[BLOCK])p, paired);
+            NAME(probs_each)(&o, nq, kf, kfrow, b0, nb, D, (float (*)[BLOCK])p, paired, tiles);
             pq = BLOCK;
             pt = 1;
             const int64_t after = item->hi - b0 - nb;  /* rows past this block */
