@@ -27,7 +27,7 @@
  * and for the baseline ISA, and the CPU's features pick one at run time; over
  * bfloat16 K/V, with AVX512-BF16 a decode tile computes QK and PV on vdpbf16ps
  * (`paired`), reading K as stored and V two rows at a time, and with AMX a
- * prefill tile on AMX tiles (`tiles`).
+ * decode tile its scores and a prefill tile everything on AMX tiles (`tiles`).
  *
  * With new_k and new_v ([T, H_kv, D], a row per query token), each request's
  * new tokens' K/V are first stored at their rows of its slot, so one call

@@ -195,12 +195,12 @@ INLINE void NAME(probs_across)(Online *o, int nq, const char *kf, int64_t kfrow,
 }
 
 #if W == 16
-/* AMX (`tiles`: a prefill chunk's tile, over 16 queries, over bfloat16 K/V, the head dimension a multiple
- * of 32), a block at a time: its scores as S^T = K·Q^T, K's rows loaded into tiles as stored against the queries paired along
- * the head dimension (qk, made once a tile), then acc += P·V, the probabilities paired along the rows
- * against V's rows interleaved two by two.  Tile registers, each 16 rows of 64 bytes: 0-3 the scores
- * (rows × queries, by halves) and then the output, 4 K or V (and 7 V), 5 and 6 each half's queries or
- * probabilities. */
+/* AMX (`tiles`: over bfloat16 K/V, the head dimension a multiple of 32).  A prefill chunk's tile (over 16
+ * queries), a block at a time: its scores as S^T = K·Q^T, K's rows loaded into tiles as stored against the
+ * queries paired along the head dimension (qk, made once a tile), then acc += P·V, the probabilities paired
+ * along the rows against V's rows interleaved two by two; a decode tile, its scores alone (scores_tiles).
+ * Tile registers, each 16 rows of 64 bytes: 0-3 the scores (rows × queries, by halves) and then the output,
+ * 4 K or V (and 7 V), 5 and 6 each half's queries or probabilities. */
 #define TILE_LOAD(n, at, stride) \
     __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #n ::"r"(at), "r"((int64_t)(stride)) : "memory")
 #define TILE_STORE(n, at, stride) \
@@ -229,7 +229,8 @@ INLINE void query_tiles(Online *o, int nq, int64_t D) {
         for (int64_t c = 0; c < D / 32; c++)
             for (int u = 0; u < 16; u++)
                 for (int q = 0, i = 16 * g; q < 16; q++, i++)
-                    o->qk[g][c][u][q] = i < nq ? o->qb[i][32 * c + 2 * u] | (uint32_t)o->qb[i][32 * c + 2 * u + 1] << 16 : 0;
+                    o->qk[g][c][u][q] =
+                        i < nq ? o->qb[i][32 * c + 2 * u] | (uint32_t)o->qb[i][32 * c + 2 * u + 1] << 16 : 0;
 }
 
 /* acc += softmax(scores) · V over a block of nb rows (staged: room for K's rows, zero-padded, where nb < BLOCK). */
@@ -441,8 +442,8 @@ INLINE void NAME(probs_each)(Online *o, int nq, const char *kf, int64_t kfrow, i
 }
 
 /* One split of a tile: online softmax over rows [item->lo, item->hi); with `paired` (bf16 too), a decode
- * split's on vdpbf16ps.  A prefill chunk's tiles stay widened to float32: paired, they measured about a tenth
- * slower (`vattn bench kernels`, 512-token chunks). */
+ * split's on vdpbf16ps (a prefill chunk's, paired, measured about a tenth slower than widened to float32),
+ * and with `amx` a decode split's scores of whole blocks and a prefill chunk's blocks on AMX tiles. */
 INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16, int paired, int amx) {
     const Tile *tile = item->tile;
     const int64_t *r = c->reqs + tile->req * REQ_FIELDS;
@@ -529,7 +530,8 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16, int paired
             for (int i = 0; i < nq; i++)
                 for (int t = 0; t < BLOCK; t += W) NAME(put)(pb[i], t, *(const vec *)&p[i * BLOCK + t], 1);
             int i0 = 0;
-            for (; i0 + 4 <= nq; i0 += 4, fetch = NULL) accumulate_pairs(o.acc + i0, pb + i0, v0, vrow, nb, D, 4, fetch);
+            for (; i0 + 4 <= nq; i0 += 4, fetch = NULL)
+                accumulate_pairs(o.acc + i0, pb + i0, v0, vrow, nb, D, 4, fetch);
             switch (nq - i0) {
                 case 3: accumulate_pairs(o.acc + i0, pb + i0, v0, vrow, nb, D, 3, fetch); break;
                 case 2: accumulate_pairs(o.acc + i0, pb + i0, v0, vrow, nb, D, 2, fetch); break;

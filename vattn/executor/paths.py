@@ -13,10 +13,11 @@ def kernel_paths() -> list[tuple[str, str]]:
     # the code the kernels other than attention run under amx and avx512_bf16
     vector_isa = "avx512" if isa in ("amx", "avx512_bf16") else isa
     lanes = f"{vector_isa}, {16 if vector_isa == 'avx512' else 8} float32 lanes"
-    paired = "decode: bfloat16 QK and PV on vdpbf16ps, K read as stored"
-    attention_bf16 = {"amx": f"{paired}; prefill chunks: QK and PV on AMX tiles (head dim a multiple of 32)",
-                      "avx512_bf16": f"{paired}; prefill chunks: bfloat16 widened to float32"}.get(
-                          isa, "bfloat16 K/V widened to float32 as read")
+    attention_bf16 = {
+        "amx": "decode: QK on AMX tiles, PV on vdpbf16ps; prefill chunks: QK and PV on AMX tiles (a head dim "
+               "that is a multiple of 32; else as avx512_bf16)",
+        "avx512_bf16": "decode: QK and PV on vdpbf16ps, K read as stored; prefill chunks: widened to float32",
+    }.get(isa, "bfloat16 K/V widened to float32 as read")
     own = {name: gemm.serves(torch.ones(1, 1, dtype=getattr(torch, name))) for name in ("float32", "bfloat16")}
     onednn = {"float32": "oneDNN, pre-packed",
               "bfloat16": f"oneDNN, pre-packed, on {', '.join(bf16) or 'AVX-512 without bfloat16 instructions'}"}
