@@ -137,6 +137,7 @@ def test_bench_e2e_runs_every_system(tmp_path):
                 "--request-rate", "inf", "8", "--json", str(path), "--plot", str(tmp_path),
                 timeout=900)  # vLLM compiles its model first: about 2 minutes of a 2-core AVX2 CPU uncached
     assert "end to end: 2 sharegpt requests" in out and "batch size sweep" in out
+    assert "memory round: vattn" in out and "memory round: vllm_cpu" in out  # sampled apart from the timed rounds
     result = json.loads(path.read_text())
     assert result["commit"] and result["versions"]["vllm"] and result["request_rate"] == ["inf", 8.0]
     for rate in ("inf", 8.0):

@@ -10,11 +10,13 @@ serving paths).  Each runs in a process of its own (`serve_worker.py`,
 (loading, vLLM's compile, a warm-up round) are not timed and its memory
 is its own.
 
-Memory, for each system alike: `peak_pss_bytes`, the peak over the whole
-run, model loading included, of the PSS (proportional set size) of its worker
-and every process the worker started, summed, sampled once a second
-(`pss.PeakPss`) from the worker's start until it has served its last round: a
-page several of those processes share (vLLM runs several) counts once.
+Memory, for each system alike: `peak_pss_bytes`, the peak, model loading
+included, of the PSS (proportional set size) of its worker and every process
+the worker started, summed, sampled once a second (`pss.PeakPss`) from the
+worker's start through its memory round (the timed rounds' requests and
+arrivals, served once before them and not timed): a page several of those
+processes share (vLLM runs several) counts once.  The timed rounds run
+unobserved (`Worker.stop_sampling` says why).
 `peak_rss_bytes` beside it sums their RSS high-water marks, which counts a
 shared page once per process.  The memory ratios are on PSS.
 
@@ -148,9 +150,15 @@ class Worker:
             raise RuntimeError(f"{self.system} stopped (exit code {self._proc.wait()}); its log: {self._log.name}")
         return json.loads(line)[key]
 
+    def stop_sampling(self) -> None:
+        """Stops sampling PSS: reading a process's smaps walks its every mapping under its mmap lock,
+        which would slow the rounds it samples (by about 5% for vattn's engine, whose page groups are
+        thousands of mappings)."""
+        self._pss.stop()
+
     def peak_memory(self) -> dict:
         """Once the worker is done serving: `peak_pss_bytes`, the peak PSS of the worker and every
-        process it started, summed, sampled each second since it started (sampling stops here);
+        process it started, summed, sampled each second from its start until `stop_sampling`;
         `peak_rss_bytes`, their RSS high-water marks summed."""
         return {"peak_pss_bytes": self._pss.stop(),
                 "peak_rss_bytes": sum(_status_kb(pid, "VmHWM") for pid in tree(self._proc.pid)) << 10}
@@ -226,6 +234,10 @@ def run(json_path: str | None, plot_dir: str | None, workload: str = "sharegpt",
                 console.print(f"starting {name}")
                 workers[name] = Worker(system, options, log / f"{name}.log", where, served)
                 workers[name].serve(reqs[:4], [0.0] * min(4, len(reqs)))  # warm-up, not timed
+        for name, w in workers.items():  # the memory round, not timed; the timed rounds run unobserved
+            console.print(f"memory round: {name}")
+            w.serve(reqs, arrivals(len(reqs), rates[0], burstiness))
+            w.stop_sampling()
         results = [_run_rate(workers, reqs, rate, burstiness, rounds) for rate in rates]
         memory = {name: w.peak_memory() for name, w in workers.items()}
     finally:
