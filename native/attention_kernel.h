@@ -225,12 +225,36 @@ INLINE void tiles_release(void) { __asm__ volatile("tilerelease" ::: "memory"); 
 
 /* qk[g][c][u][q]: query 16g + q's dimensions 32c + 2u and 32c + 2u + 1 (zeros past nq). */
 INLINE void query_tiles(Online *o, int nq, int64_t D) {
-    for (int g = 0; g < 2; g++)
+    for (int g = 0; g < (nq > 16 ? 2 : 1); g++)
         for (int64_t c = 0; c < D / 32; c++)
             for (int u = 0; u < 16; u++)
                 for (int q = 0, i = 16 * g; q < 16; q++, i++)
                     o->qk[g][c][u][q] =
                         i < nq ? o->qb[i][32 * c + 2 * u] | (uint32_t)o->qb[i][32 * c + 2 * u + 1] << 16 : 0;
+}
+
+/* s[t][q] = K row t · query q for a block of BLOCK rows at k (kstride bytes apart), the queries of `halves`
+ * (1 or 2) of qk; the other half's columns zeros. */
+INLINE void scores_transposed(const Online *o, const char *k, int64_t kstride, int64_t D, const int halves,
+                              float (*s)[TILE]) {
+    TILE_ZERO(0);
+    TILE_ZERO(1);
+    TILE_ZERO(2);
+    TILE_ZERO(3);
+    for (int64_t c = 0; c < D / 32; c++) {
+        TILE_LOAD(5, o->qk[0][c], 64);
+        if (halves == 2) TILE_LOAD(6, o->qk[1][c], 64);
+        TILE_LOAD(4, k + c * 64, kstride);
+        TILE_DOT(0, 4, 5);
+        if (halves == 2) TILE_DOT(1, 4, 6);
+        TILE_LOAD(4, k + 16 * kstride + c * 64, kstride);
+        TILE_DOT(2, 4, 5);
+        if (halves == 2) TILE_DOT(3, 4, 6);
+    }
+    TILE_STORE(0, &s[0][0], sizeof(s[0]));
+    TILE_STORE(1, &s[0][16], sizeof(s[0]));
+    TILE_STORE(2, &s[16][0], sizeof(s[0]));
+    TILE_STORE(3, &s[16][16], sizeof(s[0]));
 }
 
 /* acc += softmax(scores) · V over a block of nb rows (staged: room for K's rows, zero-padded, where nb < BLOCK). */
@@ -248,24 +272,7 @@ INLINE void block_tiles(Online *o, int nq, const char *k0, int64_t krow, const c
         kstride = sizeof(staged[0]);
     }
     float s[BLOCK][TILE] __attribute__((aligned(64)));
-    TILE_ZERO(0);
-    TILE_ZERO(1);
-    TILE_ZERO(2);
-    TILE_ZERO(3);
-    for (int64_t c = 0; c < D / 32; c++) {
-        TILE_LOAD(5, o->qk[0][c], 64);
-        TILE_LOAD(6, o->qk[1][c], 64);
-        TILE_LOAD(4, k + c * 64, kstride);
-        TILE_DOT(0, 4, 5);
-        TILE_DOT(1, 4, 6);
-        TILE_LOAD(4, k + 16 * kstride + c * 64, kstride);
-        TILE_DOT(2, 4, 5);
-        TILE_DOT(3, 4, 6);
-    }
-    TILE_STORE(0, &s[0][0], sizeof(s[0]));
-    TILE_STORE(1, &s[0][16], sizeof(s[0]));
-    TILE_STORE(2, &s[16][0], sizeof(s[0]));
-    TILE_STORE(3, &s[16][16], sizeof(s[0]));
+    scores_transposed(o, k, kstride, D, 2, s);
     vec(*scores)[QV] = (vec(*)[QV])s;
     for (int t = 0; t < nb; t++)
         for (int v = 0; v < QV; v++) scores[t][v] *= o->scale;
@@ -316,20 +323,10 @@ INLINE void block_tiles(Online *o, int nq, const char *k0, int64_t krow, const c
 
 #if W == 16
 /* block_scores of a decode tile's queries (16 at most) over a whole block, all at once on AMX tiles: S^T =
- * K·Q^T as block_tiles computes it, then each query's column. */
+ * K·Q^T, then each query's column. */
 INLINE void scores_tiles(const Online *o, int nq, const char *kf, int64_t kfrow, int64_t D, v8f (*s)[BLOCK / 8]) {
-    float st[BLOCK][16] __attribute__((aligned(64)));
-    TILE_ZERO(0);
-    TILE_ZERO(2);
-    for (int64_t c = 0; c < D / 32; c++) {
-        TILE_LOAD(5, o->qk[0][c], 64);
-        TILE_LOAD(4, kf + c * 64, kfrow);
-        TILE_DOT(0, 4, 5);
-        TILE_LOAD(4, kf + 16 * kfrow + c * 64, kfrow);
-        TILE_DOT(2, 4, 5);
-    }
-    TILE_STORE(0, st[0], sizeof(st[0]));
-    TILE_STORE(2, st[16], sizeof(st[0]));
+    float st[BLOCK][TILE] __attribute__((aligned(64)));
+    scores_transposed(o, kf, kfrow, D, 1, st);
     for (int i = 0; i < nq; i++)
         for (int c = 0; c < BLOCK / 8; c++)
             for (int u = 0; u < 8; u++) s[i][c][u] = st[8 * c + u][i] * o->scale;
