@@ -119,7 +119,7 @@ def bench_soak(args) -> None:
 def bench_memory(args) -> None:
     from vattn.bench import memory
 
-    memory.run(args.json, args.plot, args.traces, args.models, args.requests, _bytes(args.budget),
+    memory.run(args.json, args.plot, args.traces, args.models, args.requests, args.budget,
                tuple(args.policies or memory.POLICIES))
 
 
@@ -148,8 +148,14 @@ def bench_e2e(args) -> None:
     sizes = e2e.QUICK if args.quick else {}
     e2e.run(args.json, args.plot, workload=args.workload, num_prompts=args.num_prompts or sizes.get("num_prompts"),
             max_tokens=args.max_tokens or sizes.get("max_tokens"), rates=args.request_rate,
-            burstiness=args.burstiness, rounds=args.rounds, systems=args.systems, kv_budget=_bytes(args.kv_budget),
+            burstiness=args.burstiness, rounds=args.rounds, systems=args.systems, kv_budget=args.kv_budget,
             log_dir=args.log_dir, model_name=args.model, dtype=args.dtype)
+
+
+def bench_serve(args) -> None:
+    from vattn.bench import serve
+
+    serve.main(args)
 
 
 def _one(args, name: str) -> int | None:
@@ -165,22 +171,6 @@ def _tokens(text: str) -> int | None:
     return None if text.lower() == "none" else int(text)
 
 
-def _bytes(text: str | None) -> int | None:
-    """'8GiB', '512MiB', '80e9' or a plain byte count."""
-    if text is None:
-        return None
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    low = text.strip().lower()
-    unit = next((u for u in units if low.endswith(u)), None)
-    try:
-        value = float(low[:-len(unit)] if unit else low) * (units[unit] if unit else 1)
-    except ValueError:
-        raise SystemExit(f"--budget: cannot read {text!r} as bytes (e.g. 8GiB, 512MiB, 60e9)") from None
-    if value < 1:
-        raise SystemExit(f"--budget must be positive, got {text!r}")
-    return int(value)
-
-
 DEMO_PROMPTS, DEMO_MAX_TOKENS = 32, 48
 
 
@@ -193,6 +183,8 @@ def add_dtype(p: argparse.ArgumentParser) -> None:
 
 def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     """`vattn bench NAME`, each benchmark with its own options."""
+    from vattn.serve.options import byte_size
+
     names = bench.add_subparsers(dest="what", required=True, metavar="NAME")
 
     def command(name: str, func, help: str, outputs: str = "json") -> argparse.ArgumentParser:
@@ -267,8 +259,8 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     p.add_argument("--traces", nargs="+", choices=list(TRACES), default=list(TRACES), help="traces")
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="KV geometries")
     p.add_argument("--requests", type=int, default=500, help="requests per trace")
-    p.add_argument("--budget", help="KV memory in bytes, e.g. 60GiB (default: per model, small enough that memory "
-                                    "bounds the batch)")
+    p.add_argument("--budget", type=byte_size,
+                   help="KV memory in bytes, e.g. 60GiB (default: per model, small enough that memory bounds the batch)")
     p.add_argument("--policies", nargs="+", choices=POLICIES, help="policies (default: all)")
 
     p = command("kernels", bench_kernels, "decode / prefill attention over every KV layout, vattn's kernels vs "
@@ -299,13 +291,20 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS),
                    help=f"systems to run (default: {' '.join(SYSTEMS)}; paged_N for other block sizes, "
                         "vattn_compiled for the engine with compile=True)")
-    p.add_argument("--kv-budget", help="KV bytes of every system, e.g. 2GiB (default: 32 sequences of 2,048 tokens)")
+    p.add_argument("--kv-budget", type=byte_size,
+                   help="KV bytes of every system, e.g. 2GiB (default: 32 sequences of 2,048 tokens)")
     p.add_argument("--quick", action="store_true", help="a smaller run (12 requests, answers ≤ 32 tokens)")
     p.add_argument("--log-dir", help="where the systems' logs go (default: a temporary folder)")
     from vattn.models import BUILT_IN
 
     p.add_argument("--model", choices=BUILT_IN, default=BUILT_IN[0],
                    help="the model every system serves (the shapes: random weights, vattn.models)")
+    add_dtype(p)
+
+    from vattn.bench import serve
+
+    p = command("serve", bench_serve, "vattn serve vs vllm serve under vllm bench serve, and vs the engine in process")
+    serve.add_arguments(p)
     add_dtype(p)
 
     p = command("gpu", bench_gpu, "the GPU check (scripts/gpu_check.sh): CUDA tests, VMM latency, kernels, a short "

@@ -21,6 +21,7 @@ class SampledRequest:
     prompt: str
     prompt_len: int  # tokens, as a user turn through the chat template
     output_len: int  # tokens of the reference reply
+    reply: str  # the reference reply
 
 
 def conversations() -> list[list[dict]]:
@@ -56,7 +57,7 @@ def sample(tokenizer, num_requests: int, seed: int = 0, max_prompt_len: int = 10
         output_len = len(tokenizer(reply)["input_ids"])
         if prompt_len < 4 or output_len < 4 or prompt_len > max_prompt_len or prompt_len + output_len > max_total_len:
             return None
-        return SampledRequest(prompt, prompt_len, output_len)
+        return SampledRequest(prompt, prompt_len, output_len, reply)
 
     return _first(num_requests, seed, request)
 

@@ -40,12 +40,13 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from vattn import allocator
 from vattn.bench import flops, peers
-from vattn.bench.pss import PeakPss, tree
+from vattn.bench.pss import PeakPss, tree_peak_rss_bytes
 from vattn.bench.report import median_figures
 from vattn.engine.metrics import latency_report
 from vattn.engine.request import CompletionOutput, RequestMetrics, RequestOutput
@@ -112,6 +113,29 @@ def default_budget(cache) -> int:
     return pages * cache.page_bytes
 
 
+class Loaded(NamedTuple):
+    where: str  # the model's directory
+    model: torch.nn.Module
+    tokenizer: object
+    dtype: str  # the name of the torch dtype it is loaded in
+    engine: object  # the engine's settings for it (EngineConfig)
+    cache: object  # the engine's KV cache for it (CacheConfig)
+
+
+def load(model_name: str, dtype: str) -> Loaded:
+    """The built-in model `model_name` (`vattn.models`) in the dtype `dtype` serves on this CPU (`vattn.dtypes`),
+    and the engine's settings for it."""
+    from vattn.config import resolve
+    from vattn.engine import EngineConfig
+    from vattn.models import load_model, model_dir
+
+    where = str(model_dir(model_name))
+    model, tokenizer = load_model(where, dtype)
+    engine = EngineConfig().for_model(model)
+    return Loaded(where, model, tokenizer, str(model.dtype).removeprefix("torch."), engine,
+                  resolve(engine.cache_config(model)))
+
+
 class Worker:
     """One system's serving process (the protocol of `serve_worker.py`)."""
 
@@ -125,7 +149,7 @@ class Worker:
         self._log = open(log, "a")
         pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
         if system == "vllm_cpu":
-            self._proc = peers.popen("vllm_serve", str(path), **pipes)
+            self._proc = peers.popen([str(peers.script("vllm_serve")), str(path)], **pipes)
         else:
             self._proc = subprocess.Popen([sys.executable, "-m", "vattn.bench.serve_worker", system, str(path)],
                                           env=allocator.preloaded(dict(os.environ)), **pipes)
@@ -161,7 +185,7 @@ class Worker:
         process it started, summed, sampled each second from its start until `stop_sampling`;
         `peak_rss_bytes`, their RSS high-water marks summed."""
         return {"peak_pss_bytes": self._pss.stop(),
-                "peak_rss_bytes": sum(_status_kb(pid, "VmHWM") for pid in tree(self._proc.pid)) << 10}
+                "peak_rss_bytes": tree_peak_rss_bytes(self._proc.pid)}
 
     def close(self) -> None:
         self._pss.stop()
@@ -172,16 +196,6 @@ class Worker:
             self._proc.kill()
         self._log.close()
         self._dir.cleanup()
-
-
-def _status_kb(pid: int, field: str) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def figures(result: dict, reqs: list[dict]) -> dict:
@@ -200,18 +214,10 @@ def run(json_path: str | None, plot_dir: str | None, workload: str = "sharegpt",
         log_dir: str | None = None, model_name: str = "smollm2", dtype: str = "auto") -> dict:
     """`model_name`: a built-in model (`vattn.models`), served by every system
     in the dtype `dtype` serves on this CPU (`vattn.dtypes`)."""
-    from vattn.config import resolve
-    from vattn.engine import EngineConfig
-    from vattn.models import load_model, model_dir
-
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     sizes = WORKLOADS[workload] | {k: v for k, v in dict(num_prompts=num_prompts, max_tokens=max_tokens).items() if v}
-    where = str(model_dir(model_name))
-    model, tokenizer = load_model(where, dtype)
-    served = str(model.dtype).removeprefix("torch.")
-    engine = EngineConfig().for_model(model)
-    cache = resolve(engine.cache_config(model))
+    where, model, tokenizer, served, engine, cache = load(model_name, dtype)
     budget = kv_budget or default_budget(cache)
     reqs = requests(tokenizer, workload, **sizes)
     work = flops.workload_flops(model.config, reqs)

@@ -339,8 +339,8 @@ def vllm_paged(points: list[Point], repeats: int, progress: Progress | None = No
         spec, out = Path(tmp) / "points.json", Path(tmp) / "ms.json"
         spec.write_text(json.dumps({"points": specs, "block_sizes": BLOCK_SIZES, "repeats": repeats,
                                     "threads": torch.get_num_threads()}))
-        proc = peers.popen("vllm_kernels", str(spec), str(out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)
+        proc = peers.popen([str(peers.script("vllm_kernels")), str(spec), str(out)], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
         log = []
         for line in proc.stdout:  # one line per point done, among vLLM's own
             log.append(line)

@@ -91,8 +91,8 @@ def vllm(rows: list[int], repeats: int, gemms: list[tuple[int, int]] | None = No
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "ms.json"
         spec.write_text(json.dumps({"gemms": gemms or layer * layers + [head], "rows": rows, "repeats": repeats,
                                     "threads": torch.get_num_threads()}))
-        proc = peers.popen("vllm_linears", str(spec), str(out), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)
+        proc = peers.popen([str(peers.script("vllm_linears")), str(spec), str(out)], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
         log = proc.communicate()[0]
         if proc.returncode:
             raise RuntimeError(f"vllm_linears.py failed (exit {proc.returncode}):\n{log[-4000:]}")

@@ -37,11 +37,12 @@ def script(name: str) -> Path:
     return HERE / f"{name}.py"
 
 
-def popen(name: str, *args: str, **kwargs) -> subprocess.Popen:
-    """The peer script `name` running under the peer's interpreter with every core."""
+def popen(argv: list[str], **kwargs) -> subprocess.Popen:
+    """The peer's interpreter with every core, running `argv`: a script of this folder (`script(name)` and
+    its arguments) or `-m MODULE ARGS`."""
     python = vllm_python()
     if python is None:
         raise RuntimeError(HOW)
     env = os.environ | ALL_CORES | {"PYTHONPATH": "", "LD_PRELOAD": ":".join(preload(python))}
     # -P: this folder must not shadow the peer's packages (transformers imports a package named `kernels`)
-    return subprocess.Popen([str(python), "-P", str(script(name)), *args], env=env, **kwargs)
+    return subprocess.Popen([str(python), "-P", *argv], env=env, **kwargs)

@@ -9,11 +9,14 @@ SIZES = {"": 1, "b": 1, "kib": 2**10, "kb": 10**3, "k": 2**10, "mib": 2**20, "mb
 
 
 def byte_size(text: str) -> int:
-    """Bytes from "1073741824", "512MiB", "2GiB" or "1.5GB"."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    """Bytes from "1073741824", "60e9", "512MiB", "2GiB" or "1.5GB"; at least one."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([a-zA-Z]*)\s*", text)
     if not match or match[2].lower() not in SIZES:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size: bytes, or a number with KiB, MiB, GiB, KB, MB, GB")
-    return int(float(match[1]) * SIZES[match[2].lower()])
+    size = int(float(match[1]) * SIZES[match[2].lower()])
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: it must be at least one byte")
+    return size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,12 +40,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds requests in flight may take to finish after SIGTERM")
     p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> None:
-    from vattn.serve.server import main  # uvicorn and FastAPI load only here
-
-    main(args)
 
 
 def run(args: argparse.Namespace) -> None:
