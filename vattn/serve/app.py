@@ -3,11 +3,10 @@
 Every request's prompts are tokenized here, checked against the context,
 and queued on the loop; its outputs come back on an asyncio queue and go
 out whole or as server-sent events.  A client that goes away aborts its
-requests (checked at least every `DISCONNECT_POLL` seconds), and whatever
-goes wrong answers in OpenAI's error shape.
+requests at once (a task per HTTP request waits for the disconnect), and
+whatever goes wrong answers in OpenAI's error shape.
 """
 import asyncio
-import time
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -23,8 +22,6 @@ from vattn.serve.protocol import (ApiError, ChatRequest, CompletionRequest, Deto
                                   TokenizeRequest)
 from vattn.serve.responses import Choices, event
 
-DISCONNECT_POLL = 0.25  # seconds
-
 
 @dataclass(slots=True)
 class Server:
@@ -39,6 +36,9 @@ class Server:
 
 class Disconnected(Exception):
     pass
+
+
+DISCONNECTED = object()  # what a request's queue gets when its client goes away
 
 
 def make_app(server: Server) -> FastAPI:
@@ -200,25 +200,30 @@ async def _outputs(raw: Request, ids: list[str], out: asyncio.Queue):
     """(prompt index, output) until every prompt's request is finished; an
     `ApiError` (500) for one the engine ended in error; `Disconnected` when
     the client went away."""
-    pending, checked = set(ids), time.monotonic()
-    while pending:
-        try:
-            item = await asyncio.wait_for(out.get(), DISCONNECT_POLL)
-        except asyncio.TimeoutError:
-            item = None
-        if time.monotonic() - checked >= DISCONNECT_POLL:
-            if await raw.is_disconnected():
+    watcher = asyncio.create_task(_watch(raw, out))
+    try:
+        pending = set(ids)
+        while pending:
+            item = await out.get()
+            if item is DISCONNECTED:
                 raise Disconnected
-            checked = time.monotonic()
-        if item is None:
-            continue
-        if isinstance(item, Failed):
-            raise ApiError(500, str(item))
-        if item.error is not None:
-            raise ApiError(500, f"the request failed: {item.error}")
-        if item.finished:
-            pending.discard(item.request_id)
-        yield ids.index(item.request_id), item
+            if isinstance(item, Failed):
+                raise ApiError(500, str(item))
+            if item.error is not None:
+                raise ApiError(500, f"the request failed: {item.error}")
+            if item.finished:
+                pending.discard(item.request_id)
+            yield ids.index(item.request_id), item
+    finally:
+        watcher.cancel()
+
+
+async def _watch(raw: Request, out: asyncio.Queue) -> None:
+    """Puts `DISCONNECTED` in `out` once the client has gone away (the request's body is read: what the
+    server receives next is the disconnect)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+    out.put_nowait(DISCONNECTED)
 
 
 def _abort(server: Server, ids: list[str]) -> None:

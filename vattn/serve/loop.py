@@ -122,8 +122,8 @@ class EngineLoop:
             log.info("aborted %s", request_id)
 
     def _fail_all(self, message) -> None:
+        self._deliver([(request_id, Failed(message)) for request_id in self._queues])
         for request_id in list(self._queues):
-            self._deliver(request_id, Failed(message))
             self._abort(request_id)
 
     def _stop(self) -> None:
@@ -141,8 +141,8 @@ class EngineLoop:
             return
         self._failed_steps = 0
         self._observed(outputs)  # first, so that a client that has its tokens finds them counted
+        self._deliver([(output.request_id, output) for output in outputs])
         for output in outputs:
-            self._deliver(output.request_id, output)
             if output.finished:
                 self._queues.pop(output.request_id, None)
 
@@ -153,10 +153,20 @@ class EngineLoop:
             except Exception:
                 log.exception("observing the step failed")
 
-    def _deliver(self, request_id: str, item) -> None:
-        if (target := self._queues.get(request_id)) is not None:
-            loop, out = target
+    def _deliver(self, items: list[tuple[str, object]]) -> None:
+        """Put each (request id, item) in its request's queue, with one call into each event loop."""
+        puts: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in items:
+            if (target := self._queues.get(request_id)) is not None:
+                loop, out = target
+                puts.setdefault(loop, []).append((out, item))
+        for loop, these in puts.items():
             try:
-                loop.call_soon_threadsafe(out.put_nowait, item)
+                loop.call_soon_threadsafe(_put_all, these)
             except RuntimeError:  # the event loop is closed: nobody is waiting any more
                 pass
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
+    for out, item in puts:
+        out.put_nowait(item)

@@ -11,6 +11,28 @@ from vattn.engine.request import CompletionOutput, RequestOutput
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf (vLLM's floor)
 
 
+class Detokenizer:
+    """The text of a sample's growing token ids, decoding only the tokens
+    since the last read (and the ones before them, which may share its
+    characters) rather than all of them each step: `decoded` is what whole
+    characters they make so far."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.decoded = tokenizer, ""
+        self._start = self._read = 0  # decode from `_start`; text of tokens before `_read` is in `decoded`
+
+    def update(self, ids: list[int]) -> str:
+        before = self._decode(ids[self._start:self._read])
+        now = self._decode(ids[self._start:])
+        if len(now) > len(before) and not now.endswith("\ufffd"):  # no partial character at the end
+            self.decoded += now[len(before):]
+            self._start, self._read = self._read, len(ids)
+        return self.decoded
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+
+
 @dataclass(slots=True)
 class Choice:
     index: int
@@ -18,6 +40,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    detokenizer: Detokenizer | None = None
 
 
 class Choices:
@@ -30,14 +53,14 @@ class Choices:
         self.created = int(time.time())
         self.prompt_lens, self.want_logprobs = prompt_lens, logprobs
         self.hold = max((len(s) for s in stops), default=1) - 1  # a stop string's start is not sent early
-        self.choices = [Choice(i) for i in range(len(prompt_lens) * n)]
+        self.choices = [Choice(i, detokenizer=Detokenizer(tokenizer)) for i in range(len(prompt_lens) * n)]
 
     def update(self, prompt: int, output: RequestOutput) -> list[tuple[Choice, str, list[dict[int, float]]]]:
         """Each choice of `prompt` with something new: (choice, new text, new logprobs)."""
         news = []
         for c in output.outputs:
             choice = self.choices[prompt * self.n + c.index]
-            text = _visible(c, self.hold)
+            text = self._visible(choice, c)
             if len(text) < len(choice.text):  # never take back what was sent
                 text = choice.text
             new_text, new_lps = text[len(choice.text):], (c.logprobs or [])[len(choice.logprobs):]
@@ -47,6 +70,15 @@ class Choices:
                 choice.logprobs.extend(new_lps)
                 news.append((choice, new_text, new_lps))
         return news
+
+    def _visible(self, choice: Choice, c: CompletionOutput) -> str:
+        """The text of `c` that may be sent: all of it once finished (decoded whole: a stop string cuts it);
+        before, not a trailing partial character, nor the last `hold` characters (they may start a stop
+        string)."""
+        if c.finish_reason:
+            return c.text
+        text = choice.detokenizer.update(c.token_ids)
+        return text[:len(text) - self.hold] if self.hold else text
 
     def usage(self) -> dict:
         prompt, completion = sum(self.prompt_lens), sum(len(c.token_ids) for c in self.choices)
@@ -108,17 +140,6 @@ class Choices:
 def event(body: dict | str) -> str:
     """A server-sent event: `data: <json>` (or `data: [DONE]`)."""
     return f"data: {body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)}\n\n"
-
-
-def _visible(c: CompletionOutput, hold: int) -> str:
-    """The text of `c` that may be sent: all of it once finished; before, not
-    a trailing partial character, nor the last `hold` characters (they may
-    start a stop string)."""
-    text = c.text
-    if c.finish_reason:
-        return text
-    text = text.rstrip("\ufffd")
-    return text[:len(text) - hold] if hold else text
 
 
 def _floor(v: float) -> float:
