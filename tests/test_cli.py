@@ -171,4 +171,4 @@ def test_bench_e2e_runs_every_system(tmp_path):
 def test_bench_memory_rejects_a_bad_budget():
     out = subprocess.run([sys.executable, "-m", "vattn", "bench", "memory", "--budget", "lots"], capture_output=True,
                          text=True, timeout=60)
-    assert out.returncode != 0 and "cannot read 'lots' as bytes" in out.stderr
+    assert out.returncode != 0 and "'lots' is not a size" in out.stderr

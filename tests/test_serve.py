@@ -287,3 +287,22 @@ def test_an_engine_error_answers_500_or_an_error_event_and_shutdown_exits_0(tmp_
                 assert "shutting down" in lines[-2]
     finally:
         server.close()
+
+
+def test_text_decoded_a_few_tokens_at_a_time_equals_the_whole_decoded():
+    """Streamed text comes from `Detokenizer`, which decodes only the newest tokens: it never holds half a
+    character, only grows, and ends equal to decoding every token at once."""
+    from transformers import AutoTokenizer
+
+    from vattn.serve.responses import Detokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(models.model_dir(models.DEFAULT)))
+    text = "Zürich → 東京: 3½ hours? 🚄🚄 Ça va… naïve café, <|im_end|> done.\n\tend"
+    ids = tok(text)["input_ids"]
+    whole = tok.decode(ids, skip_special_tokens=True)
+    detokenizer, seen = Detokenizer(tok), ""
+    for n in range(1, len(ids) + 1):
+        now = detokenizer.update(ids[:n])
+        assert now.startswith(seen) and "\ufffd" not in now
+        seen = now
+    assert seen == whole and "東京" in whole and "🚄🚄" in whole

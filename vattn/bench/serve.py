@@ -41,7 +41,7 @@ from vattn.bench.pss import PeakPss, tree_peak_rss_bytes
 from vattn.bench.report import median_figures
 from vattn.report import console, machine, print_table, write_json
 
-SYSTEMS = ("vattn", "vllm")
+SYSTEMS = ("vllm", "vattn")  # in the order they run: vLLM's saturated rate sets the Poisson rates
 LOADS = ("saturated", "busy", "calm")  # the rates: inf, then two Poisson rates
 BUSY, CALM = 0.8, 0.5  # the Poisson rates, as fractions of the saturated request throughput
 READY_TIMEOUT = 900.0  # seconds a server may take to load and compile
