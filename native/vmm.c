@@ -400,10 +400,12 @@ static PyObject *unmap_pages(PyObject *mod, PyObject *args) {
     if (!virt) return NULL;
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n;) {
-        Py_ssize_t run = run_length(virt, NULL, i, n, page_size);
-        if ((err = backing(res, res->addr + virt[i], run * page_size))) break;
-        i += run;
+    /* Every run is tried, one that fails or not (at vm.max_map_count a run that splits a mapping fails
+     * where one that is a whole mapping does not): the caller counts the whole batch let go. */
+    for (Py_ssize_t i = 0, run; i < n; i += run) {
+        run = run_length(virt, NULL, i, n, page_size);
+        int e = backing(res, res->addr + virt[i], run * page_size);
+        if (e && !err) err = e;
     }
     Py_END_ALLOW_THREADS
     PyMem_Free(virt);

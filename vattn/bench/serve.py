@@ -209,9 +209,6 @@ def run(json_path: str | None, model_name: str = "smollm2", dtype: str = "auto",
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     systems = [s for s in SYSTEMS if s in systems]
-    if "vllm" in systems and peers.vllm_python() is None:
-        console.print(f"[bold]vllm left out:[/bold] {peers.HOW}")
-        systems.remove("vllm")
     if peers.vllm_python() is None:
         raise RuntimeError(f"vllm bench serve is the load generator: {peers.HOW}")
     loaded = e2e.load(model_name, dtype)

@@ -11,7 +11,8 @@ page moves that keep the pool, the storage and the records in step.  What
 goes where is decided by those parts.
 
 The process's limit on mappings (`MapLimitError`) is met in `attach`: idle
-pages are unmapped and the call tried once more.
+pages are unmapped and the call tried once more; an unmap there counts its
+pages let go even where a run could not be unmapped (`_unmap`).
 """
 import functools
 import itertools
@@ -136,7 +137,7 @@ class SlotTable:
         self.readable_range = None
         filled = [e for e in entries if e in self.zero_filled]
         if filled:
-            self.storage.unmap(filled)
+            self._unmap(filled)
             self.zero_filled.difference_update(filled)
         try:
             try:
@@ -163,11 +164,23 @@ class SlotTable:
             return 0
         pages = [self.slots[i].pages[j] for i, j in entries]
         self.readable_range = None
-        self.storage.unmap(entries)
+        self._unmap(entries)
         self.unmap_calls += 1
         for i, keep in cuts.items():
             del self.slots[i].pages[keep:]
         return len(self.pool.release(pages))
+
+    def _unmap(self, entries: list[tuple[int, int]]) -> None:
+        """Unmap (slot, page index) `entries`, counted as unmapped whatever happens at the mapping limit.
+
+        There some runs may not unmap (each run is tried) and still show what they showed.  Counting them
+        unmapped all the same, the records never claim a page the memory lacks (which a write would fault
+        on); what is left showing is never reached through that address again (a slot reaches only the
+        pages its record holds), and the next map there replaces it."""
+        try:
+            self.storage.unmap(entries)
+        except MapLimitError:
+            self.map_limit_hits += 1
 
     def release_free(self) -> None:
         """Give the memory of every free page back where the storage can."""
