@@ -3,6 +3,7 @@ thread, the app on uvicorn.  SIGTERM (or Ctrl-C) stops accepting, lets the
 requests in flight finish for up to `--shutdown-timeout` seconds, ends the
 rest with an error, and exits 0."""
 import argparse
+import faulthandler
 import logging
 import signal
 import threading
@@ -31,6 +32,7 @@ def engine_settings(args: argparse.Namespace) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    faulthandler.enable()  # a fatal signal leaves every thread's stack in the log
     llm = LLM(args.model, dtype=args.dtype, **engine_settings(args))
     name = args.served_model_name or args.model or models.DEFAULT
     metrics = ServerMetrics(name)
