@@ -122,7 +122,7 @@ sys.stdin.readline()
 
 
 def _rss_bytes(pid: int) -> int:
-    return sum(e2e._status_kb(p, "VmRSS") for p in pss.tree(pid)) << 10
+    return sum(pss._status_kib(p, "VmRSS") for p in pss.tree(pid)) << 10
 
 
 def test_peak_pss_counts_shared_memory_once_and_keeps_its_peak():
