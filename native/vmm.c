@@ -12,7 +12,8 @@
  * Batched calls validate everything first, release the GIL, merge runs of
  * pages that are contiguous in both the reservation and the file into one
  * syscall, and undo what they did if a syscall fails, so a failed call leaves
- * nothing half-mapped.
+ * nothing half-mapped (at vm.max_map_count, see map_pages, a page may stay
+ * showing that no record reaches).
  */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
@@ -22,6 +23,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <malloc.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -95,23 +97,42 @@ typedef struct {
     int zero_backed;
 } Reservation;
 
+/* One mapping entry held in reserve: a page of its own memfd, so that it
+ * merges with no neighbour and unmapping it always gives its entry back. */
+static char *spare_entry;
+static pthread_mutex_t spare_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void take_spare_entry(void) {
+    int fd = memfd_create("vattn-spare-entry", MFD_CLOEXEC);
+    if (fd < 0) return;
+    if (ftruncate(fd, os_page()) == 0) {
+        void *p = mmap(NULL, os_page(), PROT_NONE, MAP_SHARED, fd, 0);
+        spare_entry = p == MAP_FAILED ? NULL : p;
+    }
+    close(fd);
+}
+
 /* Put the reservation's own backing (PROT_NONE, or the zero page) over
- * [addr, addr+len).  Replacing a mapping in place is one mmap; when the process
- * is at vm.max_map_count even that is refused, so fall back to unmapping first
- * (which frees an entry) and mapping the backing into the hole, without
- * clobbering anything another thread may have put there meanwhile. */
+ * [addr, addr+len), replacing what is there in one mmap.  At vm.max_map_count
+ * that is refused (the process may even be one entry over, which the kernel
+ * lets an unmap leave); the spare entry is then given up and the mmap tried
+ * again.  The range is never unmapped first: for as long as the hole lasted,
+ * another thread's mmap could be placed in it, and a later map here would
+ * overwrite that memory.  Where it still fails, what was there stays. */
 static int backing(Reservation *r, char *addr, size_t len) {
     int prot = r->zero_backed ? PROT_READ : PROT_NONE;
-    int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
-    if (mmap(addr, len, prot, flags | MAP_FIXED, -1, 0) != MAP_FAILED) return 0;
-    if (errno != ENOMEM || munmap(addr, len) != 0) return errno;
-    void *p = mmap(addr, len, prot, flags | MAP_FIXED_NOREPLACE, -1, 0);
-    if (p == MAP_FAILED) return errno;
-    if (p != addr) { /* a kernel that ignores MAP_FIXED_NOREPLACE */
-        munmap(p, len);
-        return EEXIST;
+    int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED;
+    if (mmap(addr, len, prot, flags, -1, 0) != MAP_FAILED) return 0;
+    if (errno != ENOMEM) return errno;
+    pthread_mutex_lock(&spare_lock);
+    int err = ENOMEM;
+    if (spare_entry && munmap(spare_entry, os_page()) == 0) {
+        spare_entry = NULL;
+        err = mmap(addr, len, prot, flags, -1, 0) == MAP_FAILED ? errno : 0;
     }
-    return 0;
+    if (!spare_entry) take_spare_entry();
+    pthread_mutex_unlock(&spare_lock);
+    return err;
 }
 
 static int Reservation_init(Reservation *self, PyObject *args, PyObject *kwds) {
@@ -361,7 +382,7 @@ static int read_batch(PyObject *args, MapBatch *b) {
 static PyObject *map_pages(PyObject *mod, PyObject *args) {
     MapBatch b;
     if (read_batch(args, &b)) return NULL;
-    int err = 0, undo_err = 0;
+    int err = 0;
     int prot = b.read_only ? PROT_READ : PROT_READ | PROT_WRITE;
     Py_BEGIN_ALLOW_THREADS
     Py_ssize_t i = 0;
@@ -374,18 +395,17 @@ static PyObject *map_pages(PyObject *mod, PyObject *args) {
         }
         i += run;
     }
-    /* Undo every run mapped before the failure, a run at a time: at
-     * vm.max_map_count, backing()'s fallback (unmap, then map the backing into
-     * the hole) then needs no new mapping entry, where page by page it would
-     * split runs into entries there are not. */
+    /* Undo every run mapped before the failure, a run at a time: a run is then
+     * one whole mapping, which the backing replaces with no new entry even at
+     * vm.max_map_count.  (Where it merged with a neighbour and the spare entry
+     * is gone, the pool's page may still show there, reached through no
+     * record.) */
     for (Py_ssize_t k = 0, run; err && k < i; k += run) {
         run = run_length(b.virt, b.foff, k, i, b.page_size);
-        int e = backing(b.res, b.res->addr + b.virt[k], run * b.page_size);
-        if (e) undo_err = e;
+        backing(b.res, b.res->addr + b.virt[k], run * b.page_size);
     }
     Py_END_ALLOW_THREADS
     free_batch(&b);
-    if (undo_err) return PyErr_Format(PyExc_SystemError, "could not undo a failed map: %s", strerror(undo_err));
     if (err) return raise_map_errno("mmap (map page)", err);
     Py_RETURN_NONE;
 }
@@ -524,6 +544,7 @@ PyMethodDef VMM_METHODS[] = {
 };
 
 int vmm_add_types(PyObject *m) {
+    take_spare_entry();
     if (PyType_Ready(&ReservationType) < 0 || PyType_Ready(&PhysicalFileType) < 0) return -1;
     MapLimitError = PyErr_NewExceptionWithDoc("vattn._native.MapLimitError",
                                               "The process ran out of virtual memory mapping entries.",

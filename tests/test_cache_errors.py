@@ -147,46 +147,65 @@ def test_page_size_must_suit_the_backend():
         make_cache(page_size=6000)
 
 
-# Two idle slots, each its whole region; at the mapping limit, reclaim the first whole and the second's last
-# two pages: in each buffer the first slot's run can be unmapped (it splits no mapping) where the second's
-# cannot, so the unmap succeeds for some runs only.
-AT_THE_MAP_LIMIT = """
-import torch
-from conftest import fill, make_cache
-from vattn.backends import HostBackend, MapLimitError
-
-cache = make_cache(max_num_seqs=2, max_seq_len=200, page_size=4096)
-c, t = cache.config, cache.table
-a, b = cache.allocate(c.max_seq_len), cache.allocate(c.max_seq_len)
-fill(cache, a, c.max_seq_len), fill(cache, b, c.max_seq_len)
-cache.free(a), cache.free(b)
+# Scripts run at the real mapping limit, in a process of their own: a hog maps every other page until the
+# process has no mapping entry to spare (`HOG`), and `RECORDS_ARE_MAPPED` checks every page the records hold
+# is the pool's memory, read-write, in every buffer.
+HOG = """
+from vattn.backends import HostBackend
 with open("/proc/sys/vm/max_map_count") as f:
     limit = int(f.read())
 with open("/proc/self/maps") as f:
     used = sum(1 for _ in f)
 hb, page = HostBackend(), 4096
-n = (limit - used) // 2  # every other page: the process left with no mapping entry to spare
+n = (limit - used) // 2
 hog, pool = hb.reserve(2 * n * page, zero_backed=True), hb.create_pool(n, page)
 hb.map(hog, pool, [2 * i * page for i in range(n)], range(n))
-try:
-    t.reclaim(len(t.slots[a].pages) + 2, {})
-except MapLimitError:  # as the calls that map take it: no room, nothing changed
-    pass
-del hog, pool  # the entries come back
-print("HITS", t.map_limit_hits, "RECORDS", len(t.slots[a].pages), len(t.slots[b].pages))
-
+import mmap
+extras = []  # and the last entries, one page each, read-only and read-write in turn so that none merge
+while True:
+    try:
+        extras.append(mmap.mmap(-1, page, prot=mmap.PROT_READ | (len(extras) % 2 and mmap.PROT_WRITE)))
+    except OSError:
+        break
+"""
+RECORDS_ARE_MAPPED = """
 spans = []
 for line in open("/proc/self/maps"):
     fields = line.split()
     lo, hi = (int(x, 16) for x in fields[0].split("-"))
     spans.append((lo, hi, "memfd" in line and fields[1].startswith("rw")))
 base = cache.storage.reservation.addr
-for slot in (a, b):  # every page the records hold is the pool's memory, read-write, in every buffer
+for slot in (a, b):
     for buffer in range(c.num_buffers):
         for j in range(len(t.slots[slot].pages)):
             addr = base + buffer * cache.storage._buffer_bytes + slot * c.slot_bytes + j * c.page_size
             assert any(lo <= addr < hi and ours for lo, hi, ours in spans), (slot, buffer, j)
 cache.check()
+"""
+SETUP = """
+import torch
+from conftest import fill, make_cache
+from vattn.backends import MapLimitError
+
+cache = make_cache(max_num_seqs=2, max_seq_len=200, page_size=4096)
+c, t = cache.config, cache.table
+"""
+
+# Two idle slots, each its whole region; at the mapping limit, reclaim the first whole and the second's last
+# two pages: in each buffer the first slot's run can be unmapped (it splits no mapping) where the second's
+# cannot, so the unmap succeeds for some runs only.
+UNMAP_CUT_SHORT = SETUP + """
+a, b = cache.allocate(c.max_seq_len), cache.allocate(c.max_seq_len)
+fill(cache, a, c.max_seq_len), fill(cache, b, c.max_seq_len)
+cache.free(a), cache.free(b)
+""" + HOG + """
+try:
+    t.reclaim(len(t.slots[a].pages) + 2, {})
+except MapLimitError:  # as the calls that map take it: no room, nothing changed
+    pass
+del hog, pool, extras  # the entries come back
+print("HITS", t.map_limit_hits, "RECORDS", len(t.slots[a].pages), len(t.slots[b].pages))
+""" + RECORDS_ARE_MAPPED + """
 for slot in (a, b):  # both come back whole and take writes in every layer
     assert cache.allocate(c.max_seq_len, slot=slot) == slot
     written = fill(cache, slot, c.max_seq_len, seed=slot)
@@ -196,10 +215,27 @@ cache.check()
 print("OK")
 """
 
+# An idle slot taken again for more tokens than it maps, at the mapping limit: the other idle slot's pages
+# are reclaimed to make entries, never the pages of the slot being allocated.
+REUSE = SETUP + """
+a, b = cache.allocate(100), cache.allocate(c.max_seq_len)
+fill(cache, a, 100), fill(cache, b, c.max_seq_len)
+cache.free(a), cache.free(b)
+""" + HOG + """
+got = cache.allocate(c.max_seq_len, slot=a)
+del hog, pool, extras
+print("GOT", got, "RECORDS", len(t.slots[a].pages), len(t.slots[b].pages))
+""" + RECORDS_ARE_MAPPED + """
+assert cache.allocate(c.max_seq_len, slot=a) == a if got is None else got == a
+written = fill(cache, a, c.max_seq_len)
+assert all(torch.equal(cache.data.rows(layer, a, a + 1, c.max_seq_len)[0][0], k) for layer, (k, _) in enumerate(written))
+cache.check()
+print("OK")
+"""
 
-def test_an_unmap_cut_short_by_the_mapping_limit_leaves_no_page_recorded_that_is_not_there():
-    """vattn serve once segfaulted writing K/V into a slot whose records held pages that a partial unmap at
-    the limit had taken away."""
+
+def at_the_map_limit(script: str) -> str:
+    """Run `script` in a process of its own; its output."""
     import os
     import subprocess
     import sys
@@ -208,7 +244,19 @@ def test_an_unmap_cut_short_by_the_mapping_limit_leaves_no_page_recorded_that_is
     with open("/proc/sys/vm/max_map_count") as f:
         if int(f.read()) > 70000:
             pytest.skip("vm.max_map_count is above what this test exhausts")
-    out = subprocess.run([sys.executable, "-c", AT_THE_MAP_LIMIT], capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          env=os.environ | {"PYTHONPATH": str(Path(__file__).parent)})
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "HITS 1 RECORDS 0 3" in out.stdout and out.stdout.strip().endswith("OK")
+    assert out.stdout.strip().endswith("OK")
+    return out.stdout
+
+
+def test_an_unmap_cut_short_by_the_mapping_limit_leaves_no_page_recorded_that_is_not_there():
+    assert "HITS 1 RECORDS 0 3" in at_the_map_limit(UNMAP_CUT_SHORT)
+
+
+def test_an_idle_slot_taken_again_at_the_mapping_limit_keeps_its_pages():
+    """vattn serve segfaulted writing K/V into a page its records held: reclaiming for entries at the limit
+    had cut the very slot being allocated, whose new pages then went on the wrong page indices."""
+    out = at_the_map_limit(REUSE)
+    assert "RECORDS 3 0" in out or "RECORDS 5 0" in out, out

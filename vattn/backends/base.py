@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 import vattn.binding as binding
+from vattn.backends.map_entries import Hold
 
 _DLPACK_DEVICES = {"cpu": 1, "cuda": 2}  # kDLCPU, kDLCUDA
 
@@ -58,6 +59,12 @@ class Backend(ABC):
     @abstractmethod
     def committed_bytes(self, pool) -> int:
         """Physical memory the pool holds now."""
+
+    def map_entries(self) -> Hold:
+        """A hold on the mapping entries the OS lets the process have, for one
+        cache's reservation (`vattn.backends.map_entries`); the base holds
+        them without limit."""
+        return Hold(None)
 
     def tensor(self, reservation, dtype: torch.dtype, shape: Sequence[int], strides: Sequence[int],
                offset: int = 0) -> torch.Tensor:

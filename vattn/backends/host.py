@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 import vattn.binding as binding
+from vattn.backends.map_entries import Hold, hold
 from vattn.backends.base import Backend
 
 
@@ -33,6 +34,9 @@ class HostBackend(Backend):
 
     def reserve(self, nbytes: int, zero_backed: bool = False) -> binding.Reservation:
         return binding.Reservation(nbytes, zero_backed)
+
+    def map_entries(self) -> Hold:
+        return hold()  # the process's budget under vm.max_map_count
 
     def create_pool(self, num_pages: int, page_size: int) -> HostPool:
         self.check_page_size(page_size)

@@ -53,6 +53,9 @@ class PagedStorage:
         self._index: dict[tuple[int, int, int], torch.Tensor] = {}
         self._write_index: dict[tuple, torch.Tensor] = {}  # pool rows per (slots, positions, T), the same way
 
+    def draw_entries(self, n: int) -> None:
+        """Nothing: the pool is mapped once, whole."""
+
     def map(self, entries, pages) -> None:
         self._forget_indices()  # blocks enter the tables once the caller appends them
 

@@ -2,7 +2,7 @@
 from collections import Counter
 from dataclasses import dataclass
 
-from vattn.kv.table import SlotTable
+from vattn.kv.table import SlotTable, slot_entries
 
 
 @dataclass(slots=True, frozen=True)
@@ -54,8 +54,8 @@ def of(t: SlotTable, swapped: int) -> CacheStats:
 def check(t: SlotTable) -> None:
     """Assert the bookkeeping is consistent: each page's reference count
     equals the slots that map it, free pages are mapped nowhere and carry
-    no prefix hash, idle slots hold only private pages, and active slots
-    cover their capacity."""
+    no prefix hash, idle slots hold only private pages, active slots
+    cover their capacity, and the mapping entries drawn are the slots'."""
     mapped = Counter(p for s in t.slots for p in s.pages)
     free = t.pool.free_pages()
     assert len(set(free)) == len(free), "a page is on the free list twice"
@@ -72,3 +72,4 @@ def check(t: SlotTable) -> None:
         else:
             assert not any(s.written), f"idle slot {i} has tokens written"
             assert all(t.pool.refs[p] == 1 for p in s.pages), f"idle slot {i} holds a shared page"
+    assert t.entries == sum(slot_entries(s.pages) for s in t.slots), "the mapping entries drawn are not the slots'"

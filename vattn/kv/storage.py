@@ -17,6 +17,10 @@ class Storage(Protocol):
     device: torch.device
     zero_backed: bool  # rows with no page behind them read as zeros instead of faulting
 
+    def draw_entries(self, n: int) -> None:
+        """Count `n` more mapping entries in each buffer (fewer where negative) against the process's
+        limit on mappings: `MapLimitError`, nothing counted, past what the process can spare."""
+
     def map_zero(self, entries: list[tuple[int, int]]) -> None:
         """Put the read-only zero page at `entries` (where nothing backs what is not mapped)."""
 

@@ -12,7 +12,10 @@ goes where is decided by those parts.
 
 The process's limit on mappings (`MapLimitError`) is met in `attach`: idle
 pages are unmapped and the call tried once more; an unmap there counts its
-pages let go even where a run could not be unmapped (`_unmap`).
+pages let go even where a run could not be unmapped (`_unmap`).  The entries
+a slot's pages take are drawn from the process's budget before they are
+mapped (`vattn.backends.map_entries`), so a cache meets its share of the
+limit, not the OS's.
 """
 import functools
 import itertools
@@ -50,6 +53,7 @@ class SlotTable:
         self.zero_filled: set[tuple[int, int]] = set()  # (slot, page index) where the zero page is mapped
         self.readable_range: tuple[int, int, int] | None = None  # (lo, hi, pages) filled, until the next (un)map
         self.map_calls = self.unmap_calls = self.map_limit_hits = 0
+        self.entries = 0  # mapping entries the slots' pages take in each buffer (`entries`), drawn from the budget
 
     # ------------------------------------------------------------ checks
 
@@ -141,19 +145,34 @@ class SlotTable:
             self.zero_filled.difference_update(filled)
         try:
             try:
-                self.storage.map(entries, pages)
+                self._map(entries, pages)
             except MapLimitError:
-                idle = sum(len(s.pages) for s in self.slots if not s.active)
+                targets = {i for i, _ in entries}  # idle while being allocated, but not to be cut
+                idle = sum(len(s.pages) for i, s in enumerate(self.slots) if not s.active and i not in targets)
                 if not idle:
                     raise
-                self.reclaim(idle, {})  # idle slots come first, so only they are cut
-                self.storage.map(entries, pages)
+                self.reclaim(idle, dict.fromkeys(targets, self.config.max_seq_len))  # only idle slots are cut
+                self._map(entries, pages)
         except BaseException:
             self.pool.release(pages)
             raise
         self.map_calls += 1
         for (i, _), page in zip(entries, pages):
             self.slots[i].pages.append(page)
+
+    def _map(self, entries: list[tuple[int, int]], pages: list[int]) -> None:
+        """Draw the mapping entries the slots will take with `pages`, and map them."""
+        grown = {}
+        for (i, _), page in zip(entries, pages):
+            grown.setdefault(i, self.slots[i].pages[:]).append(page)
+        n = sum(slot_entries(p) - slot_entries(self.slots[i].pages) for i, p in grown.items())
+        self.storage.draw_entries(n)
+        try:
+            self.storage.map(entries, pages)
+        except BaseException:
+            self.storage.draw_entries(-n)
+            raise
+        self.entries += n
 
     def cut(self, cuts: Mapping[int, int]) -> int:
         """Let go each slot's pages from index `cuts[slot]` on, in one unmap
@@ -166,8 +185,13 @@ class SlotTable:
         self.readable_range = None
         self._unmap(entries)
         self.unmap_calls += 1
+        n = 0
         for i, keep in cuts.items():
+            n += slot_entries(self.slots[i].pages)
             del self.slots[i].pages[keep:]
+            n -= slot_entries(self.slots[i].pages)
+        self.storage.draw_entries(-n)
+        self.entries -= n
         return len(self.pool.release(pages))
 
     def _unmap(self, entries: list[tuple[int, int]]) -> None:
@@ -205,6 +229,13 @@ class SlotTable:
 
     def write(self, i: int, start: int, data) -> None:
         self.storage.write(i, self.slots[i].pages, start, data)
+
+
+def slot_entries(pages: list[int]) -> int:
+    """The mapping entries a slot's pages take in a buffer, at most: one per run
+    of consecutive pages (consecutive in the pool too, the OS merges them) and
+    one for the unmapped rest of the slot."""
+    return 2 + sum(b != a + 1 for a, b in zip(pages, pages[1:])) if pages else 0
 
 
 def short_at_map_limit(no_room):

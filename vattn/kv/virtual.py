@@ -33,6 +33,7 @@ class VirtualStorage:
         self._buffer_bytes = c.max_num_seqs * c.slot_bytes
         self.reservation = backend.reserve(c.num_buffers * self._buffer_bytes, zero_backed=backend.zero_backing)
         self.zero_backed = self.reservation.zero_backed
+        self._entries = backend.map_entries()
         self.bytes = backend.tensor(self.reservation, torch.uint8, (c.num_buffers, c.max_num_seqs, c.slot_bytes),
                                      (self._buffer_bytes, c.slot_bytes, 1))
         self.k = [self._kernel_view(2 * layer) for layer in range(c.num_layers)]
@@ -50,6 +51,9 @@ class VirtualStorage:
                        "interleaved": (D, component * H * D)}[c.layout]  # [..., l, kv, h, d] in a token
         return self.backend.tensor(self.reservation, c.dtype, (c.max_num_seqs, c.max_seq_len, H, D),
                                    (c.slot_bytes // size, c.token_bytes // size, head, 1), start)
+
+    def draw_entries(self, n: int) -> None:
+        self._entries.draw(n * self.config.num_buffers)
 
     def map(self, entries, pages) -> None:
         self.backend.map(self.reservation, self.physical, self._offsets(entries), self._physical_pages(pages))
