@@ -25,6 +25,11 @@ SETTINGS = {"max_model_len": "max_seq_len", "max_num_seqs": "max_num_seqs",
             "preemption_mode": "preemption_mode"}
 
 
+# Seconds an idle connection is kept open: longer than clients keep theirs (aiohttp's 15 s), so the client
+# closes it first; a server that closed first could reset a request the client had just sent on it.
+KEEP_ALIVE = 75
+
+
 def engine_settings(args: argparse.Namespace) -> dict:
     """The `EngineConfig` fields the flags set (the others keep their defaults)."""
     return {ours: getattr(args, flag) for flag, ours in SETTINGS.items() if getattr(args, flag) is not None}
@@ -40,7 +45,7 @@ def main(args: argparse.Namespace) -> int:
     server = Server(loop, llm.tokenizer, name, llm.engine.config.max_seq_len, metrics, args.api_key,
                     args.max_waiting_requests)
     config = uvicorn.Config(make_app(server), host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5, timeout_keep_alive=KEEP_ALIVE)
     log.info("serving %s on http://%s:%d", name, args.host, args.port)
     try:
         GracefulServer(config, loop, args.shutdown_timeout).run()
