@@ -256,7 +256,8 @@ def test_an_unmap_cut_short_by_the_mapping_limit_leaves_no_page_recorded_that_is
 
 
 def test_an_idle_slot_taken_again_at_the_mapping_limit_keeps_its_pages():
-    """vattn serve segfaulted writing K/V into a page its records held: reclaiming for entries at the limit
-    had cut the very slot being allocated, whose new pages then went on the wrong page indices."""
+    """Reclaiming for entries at the limit once cut the very slot being allocated, whose new pages then went
+    on the wrong page indices: its records held pages its memory lacked, which a K/V write faults on (as
+    vattn serve did under saturated load)."""
     out = at_the_map_limit(REUSE)
     assert "RECORDS 3 0" in out or "RECORDS 5 0" in out, out
