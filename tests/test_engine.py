@@ -73,6 +73,27 @@ def test_mixed_batch_equals_hf_generate(tiny, layout):
     assert engine.stats.preemptions == 0 and max(engine.stats.tokens) > 1  # prefill and decode mixed
 
 
+def test_step_records_are_bounded_and_the_totals_count_every_step(tiny, monkeypatch):
+    from vattn.engine import metrics
+
+    monkeypatch.setattr(metrics, "RECORDS", 5)
+    model, reference = tiny
+    engine = engine_for(model)
+    for p in prompts():
+        engine.add_request(p, greedy())
+    steps, seconds, computed = 0, [], []
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        seconds.append(engine.stats.step_seconds[-1])
+        computed.append(engine.stats.tokens[-1])
+    st = engine.stats
+    assert steps > 5 and st.steps == steps
+    assert list(st.step_seconds) == seconds[-5:] and list(st.tokens) == computed[-5:] and len(st.decode_only) == 5
+    assert st.total_seconds == pytest.approx(sum(seconds)) and st.total_map_seconds >= 0
+    assert 0 < st.kv_utilization <= 1
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_keeps_outputs(tiny, mode):
     model, reference = tiny

@@ -87,7 +87,8 @@ def test_models_health_tokenize_and_metrics(tiny, client):
     greedy_text(client, "Hello", max_tokens=5, extra_body={"ignore_eos": True})
     assert tiny.metric("generation_tokens_total") == before + 5
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "kv_pages_mapped",
-                 "prefix_cache_queries_total", "num_preemptions_total", "kv_map_calls_total"):
+                 "prefix_cache_queries_total", "num_preemptions_total", "kv_map_calls_total",
+                 "kv_map_seconds_total"):
         assert tiny.metric(name) >= 0
     text = httpx.get(tiny.url + "/metrics").text
     assert 'vattn:request_success_total{finished_reason="length",model_name="tiny"}' in text

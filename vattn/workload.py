@@ -30,7 +30,7 @@ def serve(llm, prompts, params, progress: bool = True) -> tuple[list, dict]:
         "kv_utilization": stats.kv_utilization,
         "step_ms_median": step_ms,
         "decode_step_ms_median": statistics.median(stats.decode_step_seconds or [float("nan")]) * 1e3,
-        "map_ms_per_step": statistics.fmean(stats.map_seconds) * 1e3,
+        "map_ms_per_step": stats.total_map_seconds * 1e3 / stats.steps,
         "background_map_ms_per_step": stats.background_map_seconds * 1e3 / stats.steps,
         "steps": stats.steps,
         "peak_pages": stats.peak_pages,

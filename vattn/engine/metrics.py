@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vattn.engine.request import RequestOutput
+
+RECORDS = 100_000  # the most recent steps kept one by one; a server runs for weeks
 
 if TYPE_CHECKING:
     from vattn.engine.map_worker import MapWorker
@@ -14,39 +17,43 @@ if TYPE_CHECKING:
     from vattn.kv.manager import KVCacheManager
 
 
+def _records() -> deque:
+    return deque(maxlen=RECORDS)
+
+
 @dataclass(slots=True)
 class EngineStats:
-    """Per-step records, and the counters the scheduler, the cache and the
-    mapping worker keep."""
+    """The last `RECORDS` steps one by one, running totals over every step,
+    and the counters the scheduler, the cache and the mapping worker keep."""
 
     scheduler: Scheduler  # only their counters are read
     kv: KVCacheManager
     worker: MapWorker | None
     runner: ModelRunner
-    step_seconds: list[float] = field(default_factory=list)
-    map_seconds: list[float] = field(default_factory=list)  # mapping on the step's critical path
-    tokens: list[int] = field(default_factory=list)  # tokens computed per step
-    utilization: list[float] = field(default_factory=list)  # live / mapped by running requests, per step
-    decode_only: list[bool] = field(default_factory=list)  # the step had no prefill chunk
+    step_seconds: deque[float] = field(default_factory=_records)
+    tokens: deque[int] = field(default_factory=_records)  # tokens computed per step
+    decode_only: deque[bool] = field(default_factory=_records)  # the step had no prefill chunk
+    steps: int = 0
+    total_seconds: float = 0.0
+    total_map_seconds: float = 0.0  # mapping on the steps' critical path
     peak_pages: int = 0  # pages mapped at the busiest step (each `page_bytes` of memory)
     broadcast_seconds: float = 0.0  # sending steps to the other tensor-parallel ranks
+    _utilization_seconds: float = 0.0  # live / mapped by running requests, times the step's duration
 
     def record(self, seconds: float, map_seconds: float, tokens: int, utilization: float, pages: int,
                decode_only: bool) -> None:
         self.step_seconds.append(seconds)
         self.decode_only.append(decode_only)
-        self.map_seconds.append(map_seconds)
         self.tokens.append(tokens)
-        self.utilization.append(utilization)
+        self.steps += 1
+        self.total_seconds += seconds
+        self.total_map_seconds += map_seconds
+        self._utilization_seconds += utilization * seconds
         self.peak_pages = max(self.peak_pages, pages)
 
     @property
     def decode_step_seconds(self) -> list[float]:
         return [t for t, decode in zip(self.step_seconds, self.decode_only) if decode]
-
-    @property
-    def steps(self) -> int:
-        return len(self.step_seconds)
 
     @property
     def preemptions(self) -> int:
@@ -76,8 +83,7 @@ class EngineStats:
     @property
     def kv_utilization(self) -> float:
         """Live bytes / mapped bytes, averaged over time (each step weighted by its duration)."""
-        total = sum(self.step_seconds)
-        return sum(u * t for u, t in zip(self.utilization, self.step_seconds)) / total if total else 0.0
+        return self._utilization_seconds / self.total_seconds if self.total_seconds else 0.0
 
 
 def summary(values: list[float]) -> dict[str, float]:

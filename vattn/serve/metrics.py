@@ -46,8 +46,7 @@ class ServerMetrics:
         self._success = Counter(PREFIX + "request_success", "Requests finished, by finish reason",
                                 ["model_name", "finished_reason"], registry=r)
         self._model_name = model_name
-        self._seen: dict[str, int] = {}  # the engine's running totals at the last step
-        self._steps = 0
+        self._seen: dict[str, float] = {}  # the engine's running totals at the last step
 
     def observe(self, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         """After a step: the engine's gauges and counters, and `outputs`' latencies."""
@@ -58,13 +57,11 @@ class ServerMetrics:
         self.pages_mapped.set(st.pages_mapped)
         self.pages_idle.set(st.pages_idle)
         self.pages_shared.set(st.pages_shared)
-        steps = engine.stats.steps
-        self.map_seconds.inc(sum(engine.stats.map_seconds[self._steps:steps]))
-        self._steps = steps
         for counter, key, total in ((self.map_calls, "map_calls", st.map_calls),
                                     (self.prefix_queries, "queries", s.prefix_queried_tokens),
                                     (self.prefix_hits, "hits", s.prefix_hit_tokens),
-                                    (self.preemptions, "preemptions", s.preemptions)):
+                                    (self.preemptions, "preemptions", s.preemptions),
+                                    (self.map_seconds, "map_seconds", engine.stats.total_map_seconds)):
             counter.inc(total - self._seen.get(key, 0))
             self._seen[key] = total
         for out in outputs:
