@@ -77,7 +77,7 @@ def test_step_records_are_bounded_and_the_totals_count_every_step(tiny, monkeypa
     from vattn.engine import metrics
 
     monkeypatch.setattr(metrics, "RECORDS", 5)
-    model, reference = tiny
+    model, _ = tiny
     engine = engine_for(model)
     for p in prompts():
         engine.add_request(p, greedy())
