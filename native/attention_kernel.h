@@ -16,18 +16,9 @@ INLINE v8f NAME(fold)(vec x) {
 }
 
 #if W == 16
-/* Paired (AVX512-BF16, over bfloat16 K/V): QK and PV on vdpbf16ps, each lane summing the products of a pair
- * of bfloat16 values: the queries in bfloat16 as given (the scale multiplies the scores), K rows as stored,
- * V rows two at a time, interleaved, against the probabilities rounded to bfloat16. */
-typedef uint16_t bf32 __attribute__((vector_size(64)));                /* 32 bfloat16 */
-typedef uint16_t bf32_u __attribute__((vector_size(64), aligned(1)));
-typedef uint16_t bf16v_u __attribute__((vector_size(32), aligned(1)));  /* 16 bfloat16 at any address */
-
-/* acc + in lane l a[2l]·b[2l] + a[2l+1]·b[2l+1]: in asm, as only the code for CPUs that have it runs it */
-INLINE vec dot2(vec acc, bf32 a, bf32 b) {
-    __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
-    return acc;
-}
+/* Paired (AVX512-BF16, over bfloat16 K/V): QK and PV on vdpbf16ps (vector_math.h's dot2): the queries in
+ * bfloat16 as given (the scale multiplies the scores), K rows as stored, V rows two at a time, interleaved,
+ * against the probabilities rounded to bfloat16. */
 
 /* Elements d .. d + 31 of a bfloat16 row of D (zeros past D; d + 16 <= D). */
 INLINE bf32 pairs_at(const void *row, int64_t d, int64_t D) {
@@ -43,12 +34,6 @@ INLINE bf32 interleave(bf16v_u a, bf16v_u b) {
                                    11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
 }
 
-/* The pair at p broadcast to every lane. */
-INLINE bf32 broadcast_pair(const uint16_t *p) {
-    uint32_t word;
-    memcpy(&word, p, 4);
-    return (bf32)((vecu){} + word);
-}
 #endif
 
 #define DV (W == 16 ? 4 : 2) /* V vectors a query holds in registers: 16 accumulators at four queries */

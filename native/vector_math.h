@@ -37,3 +37,22 @@ VECTOR_MATH(v8f, v8i, 8)
 VECTOR_MATH(v16f, v16i, 16)
 #define blend(mask, a, b) _Generic((a), v8f: blend8, v16f: blend16)(mask, a, b)
 #define vexp(x) _Generic((x), v8f: vexp8, v16f: vexp16)(x)
+
+/* bfloat16 pairs on AVX512-BF16's vdpbf16ps, which adds to each float32 lane the products of a pair of
+ * bfloat16 values: in asm, as only the code for CPUs that have it runs it. */
+typedef uint16_t bf32 __attribute__((vector_size(64)));                /* 32 bfloat16 */
+typedef uint16_t bf32_u __attribute__((vector_size(64), aligned(1)));
+typedef uint16_t bf16v_u __attribute__((vector_size(32), aligned(1)));  /* 16 bfloat16 at any address */
+
+/* acc + in lane l a[2l]·b[2l] + a[2l+1]·b[2l+1] */
+INLINE v16f dot2(v16f acc, bf32 a, bf32 b) {
+    __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+
+/* The pair at p broadcast to every lane. */
+INLINE bf32 broadcast_pair(const uint16_t *p) {
+    uint32_t word;
+    __builtin_memcpy(&word, p, 4);
+    return (bf32)((v16i){} + (int32_t)word);
+}

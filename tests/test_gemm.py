@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from test_elementwise import forced, runnable_isas, threads
 
-from vattn import _native
+from vattn import _native, dtypes
 import vattn.executor.gemm as gemm
 from vattn.binding import rows as matrix
 
@@ -37,7 +37,8 @@ def test_linear_equals_float64_within_rounding(isa, dtype, rows, out_features, i
             torch.randn(out_features, generator=g).to(dtype))
     x = torch.randn(rows, in_features, generator=g).to(dtype)
     panels = gemm.pack(w)
-    assert panels.shape == (-(-out_features // gemm.PANEL), in_features, gemm.PANEL)
+    depth = in_features + in_features % 2 if dtype == torch.bfloat16 else in_features  # bfloat16: in pairs
+    assert panels.shape == (-(-out_features // gemm.PANEL), depth, gemm.PANEL)
     with forced(isa), threads(n_threads):
         for bias in (None, b):
             got = gemm.linear(x, panels, out_features, bias)
@@ -64,17 +65,25 @@ def test_panels_and_rows_at_any_address():
     close(gemm.linear(x, shifted, 96), reference(x, w, None), 64)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("out_features", [1, 47, 48, 49, 3072])
-def test_unpack_gives_the_weight_back_bit_for_bit(out_features):
-    w = torch.randn(out_features, 33)
+@pytest.mark.parametrize("in_features", [33, 64])
+def test_unpack_gives_the_weight_back_bit_for_bit(dtype, out_features, in_features):
+    w = torch.randn(out_features, in_features).to(dtype)
     panels = gemm.pack(w)
-    assert torch.equal(gemm.unpack(panels, out_features), w)
-    assert torch.count_nonzero(panels.transpose(1, 2).reshape(-1, 33)[out_features:]) == 0  # zeros past the last
+    assert torch.equal(gemm.unpack(panels, out_features, in_features), w)
+    padded = gemm.unpack(panels, panels.shape[0] * gemm.PANEL, panels.shape[1])
+    assert torch.count_nonzero(padded[out_features:]) == 0 and torch.count_nonzero(padded[:, in_features:]) == 0
+    if dtype == torch.bfloat16:  # each column's inputs in pairs: panel 0, pair 0, column 0 holds inputs 0 and 1
+        assert torch.equal(panels.view(-1)[:2], w[0, :2])
 
 
-def test_it_serves_float32_with_avx512_and_bfloat16_where_onednn_does_not_pack_it():
-    assert gemm.serves(torch.randn(4, 4)) == _native.linear_serves()
-    assert gemm.serves(torch.randn(4, 4, dtype=torch.bfloat16)) != torch.ops.mkldnn._is_mkldnn_bf16_supported()
+def test_it_serves_float32_with_avx512_and_bfloat16_with_avx512_bf16_without_amx_or_where_onednn_does_not_pack_it():
+    assert gemm.serves(torch.randn(4, 4)) == _native.linear_serves(False)
+    paired = _native.linear_serves(True)
+    assert paired == (dtypes.cpu_bf16() == ("avx512_bf16",))
+    assert gemm.serves(torch.randn(4, 4, dtype=torch.bfloat16)) == (
+        paired or not torch.ops.mkldnn._is_mkldnn_bf16_supported())
     assert not gemm.serves(torch.randn(4, 4, dtype=torch.float16))
     assert not gemm.serves(torch.randn(4, 4, device="meta"))
 

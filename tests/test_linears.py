@@ -57,7 +57,7 @@ def test_served_linears_compute_the_same_and_restore_bit_for_bit(arch, pack, fus
     # per layer: Q/K/V and gate/up as one GEMM each when fused; packed, the others too (2 or 7) and the LM head
     assert served.num_gemms == 2 * layers * fuse + ((2 if fuse else 7) * layers + 1) * pack
     assert served.num_packed == (served.num_gemms if pack else 0)
-    packing = None if not pack else "native" if native and _native.linear_serves() else "onednn"
+    packing = None if not pack else "native" if native and _native.linear_serves(False) else "onednn"
     assert {m.packing for m in served.served} <= {packing}
     attn = model.model.layers[0].self_attn
     assert isinstance(attn.q_proj, Part if fuse else Linear) and isinstance(attn.o_proj, Linear if pack else nn.Linear)
@@ -215,7 +215,7 @@ def test_a_failure_part_way_leaves_the_model_as_it_was(monkeypatch, native):
     model = tiny_model("qwen2", "sdpa")
     before, modules = snapshot(model), [(n, type(m)) for n, m in model.named_modules()]
     calls = []
-    owner, name = (gemm, "pack") if native and _native.linear_serves() else (torch.ops.mkldnn, "_reorder_linear_weight")
+    owner, name = (gemm, "pack") if native and _native.linear_serves(False) else (torch.ops.mkldnn, "_reorder_linear_weight")
     pack = getattr(owner, name)
 
     def failing(weight, *rows):

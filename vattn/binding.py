@@ -118,7 +118,7 @@ ROTATE_MAX_HEAD_DIM = 256
 # ------------------------------------------------------------ the GEMM (native/linear.c)
 
 LINEAR_PANEL = c.LINEAR_PANEL  # output columns a panel of a packed weight holds
-linear_serves = c.linear_serves  # () -> whether float32 weights are its to run here (AVX-512)
+linear_serves = c.linear_serves  # (bf16) -> whether weights of that dtype are its to run here
 
 
 def weight(panels: torch.Tensor, bias: torch.Tensor | None) -> tuple:

@@ -131,9 +131,11 @@ def bench_kernels(args) -> None:
 
 
 def bench_linears(args) -> None:
+    import torch
+
     from vattn.bench import linears
 
-    linears.run(args.json, rows=args.rows, repeats=args.repeats)
+    linears.run(args.json, rows=args.rows, repeats=args.repeats, dtype=getattr(torch, args.dtype))
 
 
 def bench_gpu(args) -> None:
@@ -275,6 +277,7 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
 
     p = command("linears", bench_linears, "one forward's GEMMs: vattn's own vs oneDNN vs F.linear vs vLLM's")
     p.add_argument("--rows", type=int, nargs="+", help="GEMM rows (1 8 32 48 64 128 512)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the weights' and rows' dtype")
     repeats(p)
 
     from vattn.bench.e2e import SYSTEMS

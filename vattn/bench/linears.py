@@ -12,9 +12,9 @@ by each GEMM a CPU engine could run:
   makes for each weight (`dispatch_cpu_unquantized_gemm`), measured by the
   peer script `vllm_linears.py` in the peer environment (`peers.py`).
 
-Weights are seeded random float32 of the real shapes (speed does not depend
-on their values), about 540 MB in all, so a pass reads every weight from
-memory once, as a forward does.  Figures are medians of `repeats` passes
+Weights are seeded random of the real shapes in the run's dtype (speed does
+not depend on their values), about 540 MB in float32 and half that in
+bfloat16, so a pass reads every weight from memory once, as a forward does.  Figures are medians of `repeats` passes
 after a warm-up pass, vattn's, oneDNN's and torch's taking turns (vLLM's
 after them, in its own process); GFLOP/s count 2·rows·n·k per GEMM.
 """
@@ -34,7 +34,8 @@ import vattn.executor.gemm as gemm
 from vattn.report import console, print_table, write_json
 
 ROWS = (1, 8, 32, 48, 64, 128, 512)
-TOLERANCE = 1e-4  # vLLM's output against float64, weights of 0.02 and inputs of 1
+# vLLM's output against float64, weights of 0.02 and inputs of 1: float32 sums; a bfloat16 output's rounding
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
 def shapes(config: dict = SMOLLM2_135M_CONFIG) -> tuple[list[tuple[int, int]], int, tuple[int, int]]:
@@ -46,11 +47,11 @@ def shapes(config: dict = SMOLLM2_135M_CONFIG) -> tuple[list[tuple[int, int]], i
     return layer, config["num_hidden_layers"], (config["vocab_size"], hidden)
 
 
-def weights(seed: int = 0) -> list[torch.Tensor]:
+def weights(dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch.Tensor]:
     """Every GEMM's weight of a forward, in call order."""
     layer, layers, head = shapes()
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(n, k, generator=g) * 0.02 for n, k in layer * layers + [head]]
+    return [(torch.randn(n, k, generator=g) * 0.02).to(dtype) for n, k in layer * layers + [head]]
 
 
 def systems(ws: list[torch.Tensor]) -> dict:
@@ -65,10 +66,10 @@ def systems(ws: list[torch.Tensor]) -> dict:
     return out
 
 
-def median_ms(passes: dict, rows: int, repeats: int) -> dict[str, float]:
+def median_ms(passes: dict, rows: int, repeats: int, dtype: torch.dtype = torch.float32) -> dict[str, float]:
     """Median ms of each pass over inputs of `rows` rows, the passes taking turns."""
     widths = {k for _, k in shapes()[0]}
-    xs = {k: torch.randn(rows, k) for k in widths}
+    xs = {k: torch.randn(rows, k).to(dtype) for k in widths}
     samples = {name: [] for name in passes}
     for run in passes.values():
         run(xs)
@@ -80,7 +81,8 @@ def median_ms(passes: dict, rows: int, repeats: int) -> dict[str, float]:
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def vllm(rows: list[int], repeats: int, gemms: list[tuple[int, int]] | None = None) -> dict | None:
+def vllm(rows: list[int], repeats: int, gemms: list[tuple[int, int]] | None = None,
+         dtype: torch.dtype = torch.float32) -> dict | None:
     """vLLM's pass over `gemms` ((out, in) each; default: a forward's) at each
     row count (`{"vllm", "torch", "ms": {rows: ms}}`), or None without its environment."""
     if peers.vllm_python() is None:
@@ -90,28 +92,32 @@ def vllm(rows: list[int], repeats: int, gemms: list[tuple[int, int]] | None = No
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "spec.json", Path(tmp) / "ms.json"
         spec.write_text(json.dumps({"gemms": gemms or layer * layers + [head], "rows": rows, "repeats": repeats,
-                                    "threads": torch.get_num_threads()}))
+                                    "threads": torch.get_num_threads(),
+                                    "dtype": str(dtype).removeprefix("torch.")}))
         proc = peers.popen([str(peers.script("vllm_linears")), str(spec), str(out)], stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
         log = proc.communicate()[0]
         if proc.returncode:
             raise RuntimeError(f"vllm_linears.py failed (exit {proc.returncode}):\n{log[-4000:]}")
         result = json.loads(out.read_text())
-    if not result["max_abs_err"] <= TOLERANCE:
-        raise RuntimeError(f"vLLM's linear is {result['max_abs_err']:.3g} off F.linear (tolerance {TOLERANCE})")
+    if not result["max_abs_err"] <= TOLERANCE[dtype]:
+        raise RuntimeError(f"vLLM's linear is {result['max_abs_err']:.3g} off F.linear (tolerance {TOLERANCE[dtype]})")
     return result
 
 
-def run(json_path: str | None, rows: list[int] | None = None, repeats: int = 5) -> dict:
+def run(json_path: str | None, rows: list[int] | None = None, repeats: int = 5,
+        dtype: torch.dtype = torch.float32) -> dict:
     rows = list(rows or ROWS)
-    ws = weights()
+    ws = weights(dtype)
+    name = str(dtype).removeprefix("torch.")
     flops = {m: 2 * m * sum(w.numel() for w in ws) for m in rows}
     passes = systems(ws)
-    console.print(f"linears: {len(ws)} GEMMs a pass ({sum(w.numel() for w in ws) * 4 / 1e6:.0f} MB of float32 "
-                  f"weights), {torch.get_num_threads()} threads, medians of {repeats}")
-    ms = {m: median_ms(passes, m, repeats) for m in rows}
+    nbytes = sum(w.numel() * w.element_size() for w in ws)
+    console.print(f"linears: {len(ws)} GEMMs a pass ({nbytes / 1e6:.0f} MB of {name} weights), "
+                  f"{torch.get_num_threads()} threads, medians of {repeats}")
+    ms = {m: median_ms(passes, m, repeats, dtype) for m in rows}
     del passes
-    peer = vllm(rows, repeats)
+    peer = vllm(rows, repeats, dtype=dtype)
     if peer is not None:
         for m in rows:
             ms[m]["vllm"] = peer["ms"][str(m)]
@@ -122,9 +128,9 @@ def run(json_path: str | None, rows: list[int] | None = None, repeats: int = 5) 
     columns = ["rows", *(f"{n} ms (GFLOP/s)" for n in names)]
     if "vattn" in names and "vllm" in names:
         columns.append("vattn vs vllm")
-    print_table("one forward's GEMMs, SmolLM2-135M float32", columns, table)
-    result = {"threads": torch.get_num_threads(), "repeats": repeats, "gemms": len(ws),
-              "weight_bytes": sum(w.numel() for w in ws) * 4, "rows": rows,
+    print_table(f"one forward's GEMMs, SmolLM2-135M {name}", columns, table)
+    result = {"threads": torch.get_num_threads(), "repeats": repeats, "gemms": len(ws), "dtype": name,
+              "weight_bytes": nbytes, "rows": rows,
               "ms": {str(m): ms[m] for m in rows},
               "gflops": {str(m): {n: flops[m] / ms[m][n] / 1e6 for n in ms[m]} for m in rows},
               "versions": {"torch": torch.__version__} | ({"vllm": peer["vllm"]} if peer else {})}

@@ -4,7 +4,7 @@ environment's interpreter (see `peers.py`) and imports nothing of vattn.
     python vllm_linears.py SPEC.json OUT.json
 
 SPEC.json: `gemms` ((out, in) of every GEMM of a pass, in call order),
-`rows`, `repeats`, `threads`.  Each weight is seeded random float32 given to
+`rows`, `repeats`, `threads`, `dtype`.  Each weight is seeded random, in `dtype`, given to
 `create_onednn_mm` as vLLM's CPU backend does (`dispatch_cpu_unquantized_gemm`:
 the transposed weight, a primitive cache of 32); a pass calls `onednn_mm` on
 each in turn.  Medians of `repeats` passes after a warm-up pass, as
@@ -29,14 +29,15 @@ def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=g) * 0.02 for n, k in spec["gemms"]]
+    dtype = getattr(torch, spec["dtype"])
+    weights = [(torch.randn(n, k, generator=g) * 0.02).to(dtype) for n, k in spec["gemms"]]
     handlers = [(w.shape[1], ops.create_onednn_mm(w.t(), 32)) for w in weights]
-    x = torch.randn(spec["rows"][0], weights[0].shape[1], generator=g)
+    x = torch.randn(spec["rows"][0], weights[0].shape[1], generator=g).to(dtype)
     error = (ops.onednn_mm(handlers[0][1], x, None).double() - x.double() @ weights[0].double().t()).abs().max().item()
     del weights, x  # what vLLM keeps is the handlers' packed weights
     ms = {}
     for rows in spec["rows"]:
-        xs = {k: torch.randn(rows, k) for k in {k for k, _ in handlers}}
+        xs = {k: torch.randn(rows, k).to(dtype) for k in {k for k, _ in handlers}}
 
         def run():
             for k, handler in handlers:

@@ -83,7 +83,7 @@ class Linear(nn.Module):
 
     def dense(self) -> torch.Tensor:
         if self.packing == "native":
-            return gemm.unpack(self._weight, self.out_features)
+            return gemm.unpack(self._weight, self.out_features, self.in_features)
         return self._weight.to_dense() if self.packing == "onednn" else self._weight
 
     @property

@@ -21,11 +21,13 @@ def kernel_paths() -> list[tuple[str, str]]:
     own = {name: gemm.serves(torch.ones(1, 1, dtype=getattr(torch, name))) for name in ("float32", "bfloat16")}
     onednn = {"float32": "oneDNN, pre-packed",
               "bfloat16": f"oneDNN, pre-packed, on {', '.join(bf16) or 'AVX-512 without bfloat16 instructions'}"}
+    gemm_code = {"float32": lanes, "bfloat16": "vdpbf16ps on pairs of bfloat16 inputs" if isa in ("amx", "avx512_bf16")
+                 else f"{lanes}, bfloat16 weights widened as loaded"}
     auto, why = dtypes.choose("auto", torch.bfloat16)
     return [
         ("attention (native)", f"{isa}, {16 if vector_isa == 'avx512' else 8} float32 lanes; {attention_bf16}"),
         ("elementwise (RMSNorm, SiLU·up, rotary)", f"{vector_isa}; float32 and bfloat16 rows, float32 sums"),
-        *((f"GEMM, {name}", f"vattn's, {lanes}" if own[name] else onednn[name]) for name in own),
+        *((f"GEMM, {name}", f"vattn's, {gemm_code[name]}" if own[name] else onednn[name]) for name in own),
         ("decoder layers in one call", ", ".join(name for name in own if own[name]) or "off: it needs vattn's GEMM"),
         ("bfloat16 instructions", ", ".join(bf16) or "none"),
         ("dtype auto, a bfloat16 checkpoint", f"{str(auto).removeprefix('torch.')}: {why}"),
