@@ -19,7 +19,7 @@ def test_the_passes_are_the_served_models_gemms():
 def test_run_times_each_system_at_each_row_count(tmp_path, dtype):
     need_peer()
     path = tmp_path / "linears.json"
-    result = linears.run(str(path), rows=[1, 9], repeats=1, dtype=dtype)
+    result = linears.run(str(path), rows=[1, 9], repeats=1, dtype=str(dtype).removeprefix("torch."))
     names = {"onednn", "torch", "vllm"} | ({"vattn"} if gemm.serves(torch.ones(1, 1, dtype=dtype)) else set())
     esize = dtype.itemsize
     assert result["dtype"] == str(dtype).removeprefix("torch.") and result["weight_bytes"] == 134_479_872 * esize

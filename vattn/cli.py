@@ -131,11 +131,9 @@ def bench_kernels(args) -> None:
 
 
 def bench_linears(args) -> None:
-    import torch
-
     from vattn.bench import linears
 
-    linears.run(args.json, rows=args.rows, repeats=args.repeats, dtype=getattr(torch, args.dtype))
+    linears.run(args.json, rows=args.rows, repeats=args.repeats, dtype=args.dtype)
 
 
 def bench_gpu(args) -> None:

@@ -105,11 +105,10 @@ def vllm(rows: list[int], repeats: int, gemms: list[tuple[int, int]] | None = No
     return result
 
 
-def run(json_path: str | None, rows: list[int] | None = None, repeats: int = 5,
-        dtype: torch.dtype = torch.float32) -> dict:
-    rows = list(rows or ROWS)
+def run(json_path: str | None, rows: list[int] | None = None, repeats: int = 5, dtype: str = "float32") -> dict:
+    """`dtype`: the weights' and rows' ("float32" or "bfloat16")."""
+    rows, name, dtype = list(rows or ROWS), dtype, getattr(torch, dtype)
     ws = weights(dtype)
-    name = str(dtype).removeprefix("torch.")
     flops = {m: 2 * m * sum(w.numel() for w in ws) for m in rows}
     passes = systems(ws)
     nbytes = sum(w.numel() * w.element_size() for w in ws)
