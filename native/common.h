@@ -9,10 +9,11 @@
  * - instruction sets: each kernel is compiled for those it serves (the
  *   AVX512 and AVX2 target attributes, and the baseline: `PER_ISA`) and keeps
  *   its code in a table indexed by `Isa`, running the entry of the best this
- *   CPU has (`isa_best`), or the one `isa()` forces (`kernel_isa`); the GEMM
- *   is built for AVX-512 alone, and only the attention kernel has code of its
- *   own for AVX-512 with bfloat16 dot products (`avx512_bf16`) and for AMX
- *   (`amx`, which has those too): elsewhere they run the AVX-512 code;
+ *   CPU has (`isa_best`), or the one `isa()` forces (`kernel_isa`); the
+ *   attention kernel and the GEMM's bfloat16 blocks have code of their own
+ *   for AVX-512 with bfloat16 dot products (`avx512_bf16`), the attention
+ *   kernel for AMX too (`amx`, which has those too): elsewhere they run the
+ *   AVX-512 code;
  * - dtypes: float32 and bfloat16 (code 0 and 1), and the conversions
  *   between them;
  * - threads: `split` shares a range among OpenMP threads, the part of each

@@ -387,7 +387,7 @@ def run(json_path: str | None, plot_dir: str | None, batches: list[int] = [1, 8,
                 sdpa_ran[phase] = cuda_kernels(calls["vattn"])
             ms = median_ms(calls, repeats, device)
             rows += [dict(point._asdict(), layout=name, ms=t, floor_ms=floors[point]) for name, t in ms.items()]
-            del caches
+            del caches, calls  # the calls hold the caches: both let go before the next point maps its own
             bar.advance(task)
         peer = vllm_paged(points, repeats, bar) if device == "cpu" else None
     for point, measured in zip(points, peer["results"] if peer else []):
