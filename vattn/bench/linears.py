@@ -14,9 +14,10 @@ by each GEMM a CPU engine could run:
 
 Weights are seeded random of the real shapes in the run's dtype (speed does
 not depend on their values), about 540 MB in float32 and half that in
-bfloat16, so a pass reads every weight from memory once, as a forward does.  Figures are medians of `repeats` passes
-after a warm-up pass, vattn's, oneDNN's and torch's taking turns (vLLM's
-after them, in its own process); GFLOP/s count 2·rows·n·k per GEMM.
+bfloat16, so a pass reads every weight from memory once, as a forward does.
+Figures are medians of `repeats` passes after a warm-up pass, vattn's,
+oneDNN's and torch's taking turns (vLLM's after them, in its own process);
+GFLOP/s count 2·rows·n·k per GEMM.
 """
 import json
 import statistics
@@ -107,7 +108,8 @@ def vllm(rows: list[int], repeats: int, gemms: list[tuple[int, int]] | None = No
 
 def run(json_path: str | None, rows: list[int] | None = None, repeats: int = 5, dtype: str = "float32") -> dict:
     """`dtype`: the weights' and rows' ("float32" or "bfloat16")."""
-    rows, name, dtype = list(rows or ROWS), dtype, getattr(torch, dtype)
+    name = dtype
+    rows, dtype = list(rows or ROWS), getattr(torch, name)
     ws = weights(dtype)
     flops = {m: 2 * m * sum(w.numel() for w in ws) for m in rows}
     passes = systems(ws)
