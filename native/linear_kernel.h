@@ -71,27 +71,20 @@ INLINE void NAME(block)(const Gemm *g, const char *xrows, const char *w, char *y
         const char *wd = w + c0 * 4;
         for (int64_t d = 0; d < g->k; d += 1 + bf16, wd += PANEL * 4) {
             NAME(prefetch)(&ahead);
-            vec wv[VECTORS], wv1[VECTORS];
+            vec wv[2][VECTORS]; /* input d's weights, and a bfloat16 pair's input d + 1's */
 #pragma GCC unroll 3
             for (int j = 0; j < VECTORS; j++) {
                 const vecu bits = (vecu)(*(const vec_u *)(wd + j * W * 4));
-                wv[j] = bf16 ? (vec)(bits << 16) : (vec)bits;
-                wv1[j] = (vec)(bits & 0xffff0000u);
+                wv[0][j] = bf16 ? (vec)(bits << 16) : (vec)bits;
+                wv[1][j] = (vec)(bits & 0xffff0000u);
             }
-#pragma GCC unroll 8
-            for (int i = 0; i < R; i++) {
-                const float xv = x[i * g->x_stride + d];
-#pragma GCC unroll 3
-                for (int j = 0; j < VECTORS; j++) acc[i][j] += xv * wv[j];
-            }
-            if (bf16 && d + 1 < g->k) {
+            for (int h = 0; h <= bf16 && d + h < g->k; h++)
 #pragma GCC unroll 8
                 for (int i = 0; i < R; i++) {
-                    const float xv = x[i * g->x_stride + d + 1];
+                    const float xv = x[i * g->x_stride + d + h];
 #pragma GCC unroll 3
-                    for (int j = 0; j < VECTORS; j++) acc[i][j] += xv * wv1[j];
+                    for (int j = 0; j < VECTORS; j++) acc[i][j] += xv * wv[h][j];
                 }
-            }
         }
         ahead.per = 0; /* the first pass asked for the next panel */
         NAME(finish)(g, acc, y, col, cols, c0, up, R, bf16);
@@ -99,6 +92,21 @@ INLINE void NAME(block)(const Gemm *g, const char *xrows, const char *w, char *y
 }
 
 #if W == 16
+/* acc[i] += rows i's inputs 2p and 2p + 1 (`last`: 2p alone, paired with zero) times the weight pairs at wd. */
+INLINE void paired_step(vec (*acc)[VECTORS], const char *wd, const uint16_t *x, int64_t x_stride, int64_t p,
+                        const int last, const int R) {
+    bf32 wv[VECTORS];
+#pragma GCC unroll 3
+    for (int j = 0; j < VECTORS; j++) wv[j] = *(const bf32_u *)(wd + j * 64);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++) {
+        const uint16_t *at = x + i * x_stride + 2 * p;
+        const bf32 xv = last ? (bf32)((v16i){} + (int32_t)*at) : broadcast_pair(at);
+#pragma GCC unroll 3
+        for (int j = 0; j < VECTORS; j++) acc[i][j] = dot2(acc[i][j], xv, wv[j]);
+    }
+}
+
 /* The block over a bfloat16 panel on vdpbf16ps (AVX512-BF16): x's bfloat16 rows as given, each pair of
  * inputs broadcast against the panel's pairs of weights; the last input of an odd K paired with zero. */
 INLINE void paired_block(const Gemm *g, const char *xrows, const char *w, char *y, int64_t col, int64_t cols,
@@ -110,27 +118,11 @@ INLINE void paired_block(const Gemm *g, const char *xrows, const char *w, char *
 #pragma GCC unroll 3
         for (int j = 0; j < VECTORS; j++) acc[i][j] = (vec){};
     const int64_t pairs = g->k / 2;
-    const char *wd = w;
-    for (int64_t p = 0; p < pairs; p++, wd += PANEL * 4) {
+    for (int64_t p = 0; p < pairs; p++) {
         NAME(prefetch)(&ahead);
-        bf32 wv[VECTORS];
-#pragma GCC unroll 3
-        for (int j = 0; j < VECTORS; j++) wv[j] = *(const bf32_u *)(wd + j * 64);
-#pragma GCC unroll 8
-        for (int i = 0; i < R; i++) {
-            const bf32 xv = broadcast_pair(x + i * g->x_stride + 2 * p);
-#pragma GCC unroll 3
-            for (int j = 0; j < VECTORS; j++) acc[i][j] = dot2(acc[i][j], xv, wv[j]);
-        }
+        paired_step(acc, w + p * PANEL * 4, x, g->x_stride, p, 0, R);
     }
-    if (g->k % 2) {
-        bf32 wv[VECTORS];
-        for (int j = 0; j < VECTORS; j++) wv[j] = *(const bf32_u *)(wd + j * 64);
-        for (int i = 0; i < R; i++) {
-            const bf32 xv = (bf32)((v16i){} + (int32_t)x[i * g->x_stride + g->k - 1]);  /* (x, 0) */
-            for (int j = 0; j < VECTORS; j++) acc[i][j] = dot2(acc[i][j], xv, wv[j]);
-        }
-    }
+    if (g->k % 2) paired_step(acc, w + pairs * PANEL * 4, x, g->x_stride, pairs, 1, R);
     NAME(finish)(g, acc, y, col, cols, 0, up, R, 1);
 }
 #endif
