@@ -105,6 +105,9 @@ def bad_calls():
         ("an out of other rows", lambda out: raw(out[:4], x, panels), "out has 4 rows; x has 5"),
         ("bfloat16 rows, float32 panels", lambda out: gemm.linear(x.bfloat16(), panels.view(-1, 64, gemm.PANEL), 96),
          "one dtype"),
+        ("bfloat16 panels of another pair count", lambda out: raw(out.bfloat16(), torch.randn(5, 62).bfloat16(),
+                                                                  gemm.pack(w.bfloat16()).view(-1, gemm.PANEL)),
+         "62 inputs take 124 x 48"),
         ("not a matrix", lambda out: _native.linear((0, 1), matrix("x", x), matrix("panels", panels), None, 1),
          "expected \\(address, dtype, rows"),
     ]
