@@ -44,7 +44,7 @@ def fill(cache: VirtualKVCache, slot: int, num_tokens: int, start: int = 0, seed
 def physical_bytes(cache: VirtualKVCache, group: int, buffer: int) -> torch.Tensor:
     """A page's bytes read through a second mapping of the pool's memfd."""
     size = cache.config.page_size
-    page = buffer * cache.pool.num_pages + group
+    page = cache.storage._physical_pages([group])[buffer]
     with mmap.mmap(cache.storage.physical.fd, size, mmap.MAP_SHARED, mmap.PROT_READ, offset=page * size) as m:
         return torch.frombuffer(bytearray(m), dtype=torch.uint8)
 

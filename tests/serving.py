@@ -41,12 +41,12 @@ def save_tiny(to: Path) -> Path:
 class Served:
     """A server process: `url`, `base` (for the openai client), its log."""
 
-    def __init__(self, model: str, *flags: str, log: Path, script: str | None = None):
+    def __init__(self, model: str | None, *flags: str, log: Path, script: str | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.base = self.url + "/v1"
         self.log = log
-        argv = ["serve", model, "--port", str(self.port), *flags]
+        argv = ["serve", *([model] if model else []), "--port", str(self.port), *flags]
         # `script` runs first in the server process (a fault to inject), then the server
         code = f"{script or ''}\nimport sys\nfrom vattn.cli import main\nsys.exit(main({argv!r}))"
         self.process = subprocess.Popen([sys.executable, "-c", code], stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -61,11 +61,12 @@ class Served:
         self.close()
         raise RuntimeError(f"the server did not answer /health in {START_SECONDS} s:\n{log.read_text()[-3000:]}")
 
-    def metric(self, name: str) -> float:
-        """The value of `vattn:NAME` (one series) from /metrics."""
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of `vattn:NAME` (its first series with `labels`) from /metrics."""
         for line in httpx.get(self.url + "/metrics").text.splitlines():
-            if line.startswith(f"vattn:{name}{{") or line.startswith(f"vattn:{name} "):
-                return float(line.rsplit(" ", 1)[1])
+            series, _, value = line.rpartition(" ")
+            if series.split("{")[0] == f"vattn:{name}" and all(f'{k}="{v}"' in series for k, v in labels.items()):
+                return float(value)
         raise KeyError(name)
 
     def terminate(self, timeout: float) -> int:

@@ -79,6 +79,9 @@ def test_demo_serves_sharegpt_prompts(tmp_path):
     path = tmp_path / "demo.json"
     out = vattn("demo", "--num-prompts", "3", "--max-tokens", "4", "--show", "1", "--json", str(path))
     assert "request 0:" in out and "output tok/s" in out and "prefix-cache hit rate" in out
+    assert "the KV pool: 1024 MiB in chunks of 32 MiB" in out and "smollm2" in out  # the split, while it holds
+    held = [line.split("│")[4] for line in out.splitlines() if line.startswith("│ smollm2")]
+    assert len(held) == 1 and float(held[0].replace(",", "")) >= 32  # it held its chunks when the table was made
     result = json.loads(path.read_text())
     assert result["requests"] == 3 and 3 <= result["output_tokens"] <= 12
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):

@@ -362,3 +362,28 @@ def test_flash_path_keeps_to_the_kernel_contract(arch, cache, monkeypatch):
     engine = LLMEngine(model, page_size=4096, max_num_seqs=4, max_num_batched_tokens=32, max_seq_len=160, **cache)
     assert engine_outputs(engine) == reference
     engine.close()
+
+
+@cuda
+def test_two_caches_share_one_pool_of_handles_and_a_chunk_moves_zeroed():
+    from vattn import KVPool
+
+    g = get_backend("cuda").granularity
+    pool = KVPool(4 * 4 * g, device="cuda", chunk_size=4 * g)  # four chunks of four handles
+    geometry = dict(num_kv_heads=2, head_dim=64, dtype=torch.float16, device="cuda", max_num_seqs=4,
+                    max_seq_len=4096, layout="interleaved")
+    a = VirtualKVCache(CacheConfig(num_layers=2, **geometry), member=pool.add("a"))
+    b = VirtualKVCache(CacheConfig(num_layers=4, **geometry), member=pool.add("b"))
+    slots = [a.allocate(4096) for _ in range(4)]
+    assert None not in slots and pool.free_chunks == 0
+    ones = torch.ones(1, 4096, 2, 64, dtype=torch.float16, device="cuda")
+    for s in slots:
+        for layer in range(2):
+            a.data.write(layer, [s], [0], ones, ones)
+        a.free(s)
+    s = b.allocate(4096)  # an idle chunk of a goes to b, its handles zeroed on the way
+    assert s is not None and pool.moves == 1
+    for layer in range(4):
+        k, v = b.data.rows(layer, s, s + 1, 4096)
+        assert not k.any() and not v.any()
+    a.check(), b.check(), pool.check()

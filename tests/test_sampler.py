@@ -8,7 +8,7 @@ import torch
 
 from vattn.engine.sampler import logprobs, processed, sample
 from vattn.sampling_params import SamplingParams
-from vattn.serve.options import byte_size
+from vattn.serve.sizes import byte_size
 
 LOGITS = torch.tensor([2.0, -1.0, 0.5, 3.0, 0.0])
 TOKENS, PROMPT_LEN = [0, 3, 3, 1], 1  # prompt [0], output [3, 3, 1]

@@ -1,11 +1,13 @@
 """vattn: a KV cache in virtually contiguous memory with physical pages mapped on demand."""
 from vattn.backends import Backend, get_backend
 from vattn.config import CacheConfig
-from vattn.kv import CacheStats, KVCacheManager, PagedKVCache, PagePool, SwappedSlot, VirtualKVCache
+from vattn.kv import (CacheStats, KVCacheManager, KVPool, PagedKVCache, PagePool, PoolMember, SwappedSlot,
+                     VirtualKVCache)
 from vattn.sampling_params import SamplingParams
 
-__all__ = ["LLM", "Backend", "CacheConfig", "CacheStats", "EngineConfig", "KVCacheManager", "LLMEngine", "PagePool",
-           "PagedKVCache", "SamplingParams", "SwappedSlot", "VAttnCache", "VirtualKVCache", "get_backend"]
+__all__ = ["LLM", "Backend", "CacheConfig", "CacheStats", "EngineConfig", "KVCacheManager", "KVPool", "LLMEngine",
+           "PagePool", "PagedKVCache", "PoolMember", "SamplingParams", "SwappedSlot", "VAttnCache", "VirtualKVCache",
+           "get_backend"]
 __version__ = "0.1.0"
 
 

@@ -1,70 +1,14 @@
 """The `vattn` command."""
 import argparse
-import os
-import platform
 import sys
 
 from vattn import allocator
 
 
 def info(args) -> None:
-    import torch
+    from vattn import info
 
-    import vattn
-    from vattn.backends import get_backend
-    from vattn.backends.cuda import unavailable
-    from vattn.report import print_table
-    from vattn.config import DEFAULTS
-    from vattn.executor.paths import kernel_paths
-
-    backend = get_backend("cpu")
-    why = unavailable()
-    if why is None:
-        gpu = get_backend("cuda")
-        cuda = f"ready: {torch.cuda.get_device_name(gpu.device)}, pages of {gpu.granularity >> 20} MiB"
-    else:
-        cuda = f"unavailable: {why}"
-    with open("/proc/sys/vm/max_map_count") as f:
-        max_maps = int(f.read())
-    with open("/proc/self/maps") as f:
-        maps_now = sum(1 for _ in f)
-    print_table("vattn", ["", "value"], [
-        ["vattn", vattn.__version__],
-        ["host backend", f"{backend.name} (mmap + memfd)"],
-        ["OS page size / granularity", f"{backend.granularity} B"],
-        ["default page size, layout (host)", f"{_size(DEFAULTS['cpu']['page_size'])}, {DEFAULTS['cpu']['layout']}"],
-        ["default page size, layout (CUDA)", f"the driver's granularity, {DEFAULTS['cuda']['layout']}"],
-        ["CUDA backend", cuda],
-        ["tensor parallelism", _distributed()],
-        ["vm.max_map_count", max_maps],
-        ["mappings in this process", maps_now],
-        ["torch", torch.__version__],
-        ["CUDA available to torch", torch.cuda.is_available()],
-        ["python", platform.python_version()],
-        ["CPUs", os.cpu_count()],
-        ["memory allocator", allocator.name()],
-        *([name, path] for name, path in kernel_paths()),
-    ])
-
-
-def _distributed() -> str:
-    """What `tensor_parallel_size` > 1 runs on here."""
-    import torch.distributed as dist
-
-    from vattn.distributed import ranks
-    from vattn.distributed.group import backend
-
-    if not dist.is_available():
-        return "unavailable: torch was built without torch.distributed"
-    backends = "gloo" + (", nccl" if dist.is_nccl_available() else "")
-    where = ranks.device_type()
-    launch = ("torchrun (RANK, WORLD_SIZE set): every process one rank" if ranks.launched_by_torchrun()
-              else "ranks spawned on this machine, or torchrun across machines")
-    return f"torch.distributed ({backends}): ranks on {where} over {backend(where)}; {launch}"
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+    info.run()
 
 
 def generate(args) -> None:
@@ -152,12 +96,6 @@ def bench_e2e(args) -> None:
             log_dir=args.log_dir, model_name=args.model, dtype=args.dtype)
 
 
-def bench_serve(args) -> None:
-    from vattn.bench import serve
-
-    serve.main(args)
-
-
 def _one(args, name: str) -> int | None:
     """A setting given at most once (None: the engine's default)."""
     values = getattr(args, name)
@@ -183,7 +121,7 @@ def add_dtype(p: argparse.ArgumentParser) -> None:
 
 def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     """`vattn bench NAME`, each benchmark with its own options."""
-    from vattn.serve.options import byte_size
+    from vattn.serve.sizes import byte_size
 
     names = bench.add_subparsers(dest="what", required=True, metavar="NAME")
 
@@ -302,10 +240,14 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
                    help="the model every system serves (the shapes: random weights, vattn.models)")
     add_dtype(p)
 
-    from vattn.bench import serve
+    from vattn.bench import models, serve
 
-    p = command("serve", bench_serve, "vattn serve vs vllm serve under vllm bench serve, and vs the engine in process")
+    p = command("serve", serve.main, "vattn serve vs vllm serve under vllm bench serve, and vs the engine in process")
     serve.add_arguments(p)
+    add_dtype(p)
+    p = command("models", models.main, "three models with staggered peaks: one shared KV pool vs static thirds vs "
+                                       "one vllm serve a model", "json+plot")
+    models.add_arguments(p)
     add_dtype(p)
 
     p = command("gpu", bench_gpu, "the GPU check (scripts/gpu_check.sh): CUDA tests, VMM latency, kernels, a short "

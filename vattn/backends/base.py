@@ -37,6 +37,11 @@ class Backend(ABC):
         `.num_pages` and `.page_size`."""
 
     @abstractmethod
+    def view(self, pool, page_size: int):
+        """The same physical memory as `pool`, counted in pages of `page_size`
+        bytes (a shared pool's caches each have their own page size)."""
+
+    @abstractmethod
     def map(self, reservation, pool, offsets: Sequence[int], pages: Sequence[int]) -> None:
         """Map pool page `pages[i]` at `offsets[i]`; all or nothing."""
 
@@ -53,8 +58,9 @@ class Backend(ABC):
     @abstractmethod
     def release(self, pool, pages: Sequence[int]) -> None:
         """Give the memory of unmapped, unreferenced pages back where the
-        backend can (the host's then read as zeros when next mapped; a CUDA
-        pool is the budget, held from the start, so nothing happens)."""
+        backend can: the host's then read as zeros when next mapped; a CUDA
+        pool is the budget, held from the start, so its pages are zeroed
+        instead (they may go to another cache of a shared pool)."""
 
     @abstractmethod
     def committed_bytes(self, pool) -> int:

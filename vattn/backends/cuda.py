@@ -245,17 +245,26 @@ class CudaBackend(Backend):
             pool.handles.append(check(driver.cuMemCreate(page_size, self.allocation_prop, 0),
                                        f"cuMemCreate of page {pool.num_pages + 1} of {num_pages} "
                                        f"({page_size} bytes each)"))
-        self._zero(pool)
+        self._zero(pool, range(num_pages))
         return pool
 
-    def _zero(self, pool: CudaPool) -> None:
-        """Fresh handles hold whatever the GPU held; a masked row must read as
-        finite, so every page starts as zeros."""
-        scratch = self.reserve(pool.num_pages * pool.page_size)
-        self.map(scratch, pool, [i * pool.page_size for i in range(pool.num_pages)], range(pool.num_pages))
+    def _zero(self, pool: CudaPool, pages: Sequence[int]) -> None:
+        """Zero `pages` through a scratch mapping.  Fresh handles hold whatever the GPU held, and a
+        masked row must read as finite; a shared pool's pages are zeroed before another cache has them."""
+        if not (pages := list(pages)):
+            return
+        torch.cuda.synchronize(self.device)  # no queued kernel still writes them
+        scratch = self.reserve(len(pages) * pool.page_size)
+        self.map(scratch, pool, [i * pool.page_size for i in range(len(pages))], pages)
         self.tensor(scratch, torch.uint8, (scratch.nbytes,), (1,)).zero_()
         torch.cuda.synchronize(self.device)
         scratch.close()
+
+    def view(self, pool: CudaPool, page_size: int) -> CudaPool:
+        if page_size != pool.page_size:
+            raise ValueError(f"a CUDA pool's pages are its handles: a cache over it takes pages of {pool.page_size} "
+                             f"bytes, not {page_size}")
+        return pool
 
     def map(self, reservation: CudaReservation, pool: CudaPool, offsets: Sequence[int],
             pages: Sequence[int]) -> None:
@@ -306,7 +315,8 @@ class CudaBackend(Backend):
             reservation.settle()
 
     def release(self, pool: CudaPool, pages: Sequence[int]) -> None:
-        """Nothing: the pool is the memory budget, held from the start."""
+        """Zero the pages: the pool is the memory budget, held from the start."""
+        self._zero(pool, pages)
 
     def committed_bytes(self, pool: CudaPool) -> int:
         return pool.num_pages * pool.page_size

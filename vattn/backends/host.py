@@ -44,6 +44,10 @@ class HostBackend(Backend):
             raise ValueError(f"a pool needs at least one page, got {num_pages}")
         return HostPool(binding.PhysicalFile(num_pages * page_size), num_pages, page_size)
 
+    def view(self, pool: HostPool, page_size: int) -> HostPool:
+        self.check_page_size(page_size)
+        return HostPool(pool.file, pool.num_pages * pool.page_size // page_size, page_size)
+
     def map(self, reservation, pool: HostPool, offsets: Sequence[int], pages: Sequence[int]) -> None:
         size = pool.page_size
         binding.map_pages(reservation, pool.file, size, offsets, [p * size for p in pages])

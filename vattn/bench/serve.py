@@ -106,23 +106,30 @@ def requests(tokenizer, entries: list[dict]) -> list[dict]:
 
 
 class Server:
-    """`system`'s server on a free port, up once `/health` answers 200; the peak PSS of its processes is
-    sampled from its start until `stop_sampling`."""
+    """`system`'s server on a free port, up once `/health` answers 200 (`wait_ready`; by default before the
+    constructor returns); the peak PSS of its processes is sampled from its start until `stop_sampling`.
+    `where` (the model) and `name` (the name requests use) are left out for a vattn server whose models
+    `flags` give (`--model NAME=MODEL`); `flags` are added to the shared ones."""
 
-    def __init__(self, system: str, where: str, name: str, dtype: str, max_len: int, budget: int, log: Path):
+    def __init__(self, system: str, where: str | None, name: str | None, dtype: str, max_len: int, budget: int,
+                 log: Path, flags: tuple[str, ...] = (), wait: bool = True):
         self.system, self.port = system, _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        shared = ["--served-model-name", name, "--dtype", dtype, "--max-model-len", str(max_len),
-                  "--kv-cache-memory-bytes", str(budget), "--host", "127.0.0.1", "--port", str(self.port)]
+        shared = [*(["--served-model-name", name] if name else []), "--dtype", dtype, "--max-model-len", str(max_len),
+                  "--kv-cache-memory-bytes", str(budget), "--host", "127.0.0.1", "--port", str(self.port), *flags]
         self._log = open(log, "a")
         out = dict(stdout=self._log, stderr=subprocess.STDOUT)
         if system == "vllm":
             self._proc = peers.popen(["-m", "vllm.entrypoints.openai.api_server", "--model", where, *shared,
                                       "--disable-uvicorn-access-log"], **out)
         else:
-            self._proc = subprocess.Popen([sys.executable, "-m", "vattn", "serve", where, *shared],
-                                          env=allocator.preloaded(dict(os.environ)), **out)
+            self._proc = subprocess.Popen([sys.executable, "-m", "vattn", "serve", *([where] if where else []),
+                                           *shared], env=allocator.preloaded(dict(os.environ)), **out)
         self._pss = PeakPss(self._proc.pid).start()
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
         try:
             self._wait_ready()
         except BaseException:

@@ -8,6 +8,7 @@ from vattn import dtypes
 from vattn.checks import is_int, is_number
 from vattn.config import CacheConfig, check_utilization
 from vattn.executor.runner import RunnerOptions
+from vattn.kv.shared import PoolMember
 
 DEFAULT_MAX_SEQ_LEN = 2048  # or the model's positions, if fewer
 
@@ -37,7 +38,10 @@ class EngineConfig:
     `memory_budget` says.  With `enable_prefix_caching` a prompt resumes the
     whole pages another request computed for the same tokens.
     `kv_cache="paged"` runs the same engine on the paged baseline
-    (`vattn.PagedKVCache`, blocks of `block_size` tokens).
+    (`vattn.PagedKVCache`, blocks of `block_size` tokens).  With `kv_pool`
+    (a `vattn.PoolMember`) the virtual cache draws on a pool shared with
+    other models' engines (`vattn.kv.shared`), whose budget is then the
+    memory budget.
 
     `dtype` is the one the model is served in ("auto", "float32",
     "bfloat16", "float16": `vattn.dtypes`): `vattn.LLM` loads it so, and a
@@ -92,6 +96,7 @@ class EngineConfig:
     native_gemm: bool = True
     compile: bool = False
     tensor_parallel_size: int = 1
+    kv_pool: PoolMember | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_running_tokens", "max_seq_len", "block_size",
@@ -117,6 +122,15 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")
         if self.compile and self.tensor_parallel_size > 1:
             raise ValueError("EngineConfig.compile does not run under tensor parallelism (tensor_parallel_size > 1)")
+        if self.kv_pool is not None:
+            if not isinstance(self.kv_pool, PoolMember):
+                raise ValueError(f"EngineConfig.kv_pool must be a vattn.PoolMember (KVPool.add), "
+                                 f"got {type(self.kv_pool).__name__}")
+            if self.memory_budget is not None:
+                raise ValueError("EngineConfig.memory_budget and kv_pool exclude each other: the pool's budget is "
+                                 "the memory budget")
+            if self.kv_cache != "virtual" or self.tensor_parallel_size > 1:
+                raise ValueError("EngineConfig.kv_pool serves the virtual cache (kv_cache='virtual') of one rank")
 
     def for_model(self, model) -> "EngineConfig":
         """These settings with `max_seq_len` set for `model`, whose positions

@@ -49,7 +49,7 @@ class LLMEngine:
         dtypes.check_model(config.dtype, model)
         if (config.tensor_parallel_size > 1) != (group is not None):
             raise ValueError("tensor_parallel_size > 1 runs through vattn.LLM, which starts the ranks")
-        cache = make_cache(config.cache_config(model), config.kv_cache, config.block_size)
+        cache = make_cache(config.cache_config(model), config.kv_cache, config.block_size, config.kv_pool)
         kv = KVCacheManager(cache, config.enable_prefix_caching)
         self.group = group
         self.kv = kv if group is None else RecordingKV(kv)
@@ -130,7 +130,8 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         outputs = [self._fail(req, e) for req, e in plan.failed]
         if not plan.work:
-            if self.scheduler.has_unfinished and not plan.preempted and not plan.failed:
+            stuck = self.scheduler.has_unfinished and not plan.preempted and not plan.failed
+            if stuck and not self.kv.others_hold_memory():  # in a shared pool the others may let memory go
                 why = " (the process is at vm.max_map_count)" if self.kv.map_limit_hits else ""
                 raise RuntimeError(f"no request could be scheduled: memory is too short{why}")
             return outputs

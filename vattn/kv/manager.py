@@ -41,7 +41,13 @@ class KVCacheManager:
 
     @property
     def num_pages(self) -> int:
-        return self.cache.pool.num_pages
+        """Pages the cache could ever hold (in a shared pool: its cap, less the others' floors)."""
+        return self.cache.table.most_pages
+
+    def others_hold_memory(self) -> bool:
+        """Whether the cache draws on a shared pool whose other members hold chunks (they may let them go)."""
+        member = self.cache.table.member
+        return member is not None and any(o.held for o in member.pool.members.values() if o is not member)
 
     def num_available_pages(self) -> int:
         """Pages free or reclaimable now."""

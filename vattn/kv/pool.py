@@ -8,18 +8,25 @@ with one call (and the host kernel merge them into one mapping entry).
 A page's hash (as nano-vllm keeps it on the block) names the tokens it holds
 and every token before them, so a prefix-cache lookup finds pages by hash.
 The hash goes when the page is freed or `forget` is told its tokens changed.
+
+A pool over a shared budget (`vattn.kv.shared`) holds only some of its pages
+at a time: `add` puts pages it comes to hold on the free list, `remove` takes
+free pages it gives up off it; the pages it does not hold are neither free
+nor in use.
 """
 import heapq
 from collections import Counter
 
 
 class PagePool:
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, held: bool = True):
         if num_pages <= 0:
             raise ValueError(f"a page pool needs at least one page, got {num_pages}")
         self.num_pages = num_pages
         self.refs = [0] * num_pages
-        self._free = list(range(num_pages))
+        self._free = list(range(num_pages)) if held else []
+        self._held = [held] * num_pages
+        self.num_held = num_pages if held else 0
         self.num_shared = 0  # pages with more than one reference
         self._hash: dict[int, tuple[int, tuple]] = {}  # page -> (hash, (salt, tokens)) of the prefix it ends
         self._by_hash: dict[int, set[int]] = {}  # hash -> pages carrying it
@@ -30,10 +37,33 @@ class PagePool:
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_held - len(self._free)
 
     def free_pages(self) -> list[int]:
         return sorted(self._free)
+
+    def is_held(self, page: int) -> bool:
+        return self._held[page]
+
+    def add(self, pages: list[int]) -> None:
+        """Come to hold `pages`, free."""
+        if any(self._held[p] for p in pages):
+            raise ValueError("a page added to the pool is held already")
+        for p in pages:
+            self._held[p] = True
+            heapq.heappush(self._free, p)
+        self.num_held += len(pages)
+
+    def remove(self, pages: list[int]) -> None:
+        """Stop holding free `pages`."""
+        gone = set(pages)
+        if len(gone) != len(pages) or not gone.issubset(self._free):
+            raise ValueError("only free pages, each once, can leave the pool")
+        self._free = [p for p in self._free if p not in gone]
+        heapq.heapify(self._free)
+        for p in pages:
+            self._held[p] = False
+        self.num_held -= len(pages)
 
     def allocate(self, n: int) -> list[int] | None:
         """`n` pages with one reference each, or None (and nothing taken)."""

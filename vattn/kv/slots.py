@@ -30,9 +30,9 @@ class SlotCache:
 
     kind: str  # "virtual" or "paged": how kernels reach the K/V (`vattn.attention.registry`)
 
-    def __init__(self, config: CacheConfig, storage: Storage):
+    def __init__(self, config: CacheConfig, storage: Storage, member=None):
         self.config, self.storage, self.device = config, storage, storage.device
-        self.table = SlotTable(config, storage)
+        self.table = SlotTable(config, storage, member)
         self.pool = self.table.pool
         self.data = KVData(self.table, self.kind)
         self._swapped: dict[int, SwappedSlot] = {}  # out of this cache, by stamp
@@ -108,8 +108,10 @@ class SlotCache:
 
     def available_pages(self) -> int:
         """Pages free or reclaimable (idle slots' pages, and what active slots
-        hold past their capacity)."""
-        return self.pool.num_free + sum(self.table.spare(i, {}) for i in range(len(self.table.slots)))
+        hold past their capacity), and those a shared pool's member could obtain."""
+        t = self.table
+        obtainable = t.member.obtainable() if t.member is not None else 0
+        return self.pool.num_free + sum(t.spare(i, {}) for i in range(len(t.slots))) + obtainable
 
     def can_grow(self, slot: int, num_tokens: int) -> bool:
         """Whether `grow(slot, num_tokens)` would find room; never raises."""
@@ -167,10 +169,13 @@ class SlotCache:
     def trim(self) -> int:
         """Reclaim every idle page and give the memory of all free pages back
         where the storage can (the virtual cache's read as zeros when next
-        used).  Returns the pages reclaimed from idle slots."""
+        used); a shared pool's member gives its free chunks above its floor back.
+        Returns the pages reclaimed from idle slots."""
         idle = sum(len(s.pages) for s in self.table.slots if not s.active)
         reclaimed = self.table.reclaim(idle, {})  # idle slots come first
         self.table.release_free()
+        if self.table.member is not None:
+            self.table.member.give_back()
         return reclaimed
 
     # ------------------------------------------------------------ state

@@ -7,7 +7,7 @@ from vattn.kv.table import SlotTable, slot_entries
 
 @dataclass(slots=True, frozen=True)
 class CacheStats:
-    pages_total: int  # pages in the budget (a page: page j of a slot in every buffer)
+    pages_total: int  # pages in the budget, or held of a shared pool (a page: page j of a slot in every buffer)
     pages_free: int
     pages_mapped: int  # in use by at least one slot, active or idle
     pages_idle: int  # held only by idle slots: reclaimable
@@ -34,7 +34,7 @@ def of(t: SlotTable, swapped: int) -> CacheStats:
     mapped = t.pool.num_used * c.page_bytes
     live_bytes = sum(live.values()) * c.num_buffers
     return CacheStats(
-        pages_total=t.pool.num_pages,
+        pages_total=t.pool.num_held,
         pages_free=t.pool.num_free,
         pages_mapped=t.pool.num_used,
         pages_idle=sum(len(s.pages) for s in t.slots if not s.active),
@@ -60,7 +60,8 @@ def check(t: SlotTable) -> None:
     free = t.pool.free_pages()
     assert len(set(free)) == len(free), "a page is on the free list twice"
     assert set(free).isdisjoint(mapped), "a free page is mapped"
-    assert len(free) + len(mapped) == t.pool.num_pages, "a page is neither free nor mapped"
+    assert len(free) + len(mapped) == t.pool.num_held, "a page held is neither free nor mapped"
+    assert all(t.pool.is_held(p) for p in mapped), "a page not held is mapped"
     assert all(t.pool.hash_of(p) is None for p in free), "a free page carries a prefix hash"
     for p, count in mapped.items():
         assert t.pool.refs[p] == count, f"page {p}: {t.pool.refs[p]} references, {count} mappings"
@@ -72,4 +73,4 @@ def check(t: SlotTable) -> None:
         else:
             assert not any(s.written), f"idle slot {i} has tokens written"
             assert all(t.pool.refs[p] == 1 for p in s.pages), f"idle slot {i} holds a shared page"
-    assert t.entries == sum(slot_entries(s.pages) for s in t.slots), "the mapping entries drawn are not the slots'"
+    assert t.entries == sum(slot_entries(s.pages, t.run) for s in t.slots), "the mapping entries drawn are not the slots'"

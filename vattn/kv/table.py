@@ -16,6 +16,10 @@ pages let go even where a run could not be unmapped (`_unmap`).  The entries
 a slot's pages take are drawn from the process's budget before they are
 mapped (`vattn.backends.map_entries`), so a cache meets its share of the
 limit, not the OS's.
+
+A table over a shared pool (`vattn.kv.shared`) draws its pages from its
+`member`: it holds only some of its pool's pages, comes to hold more when
+short (`make_room`), and gives chunks up when another member asks.
 """
 import functools
 import itertools
@@ -45,9 +49,13 @@ class Slot:
 class SlotTable:
     """The slots over a pool of pages, the bytes in `storage`."""
 
-    def __init__(self, config: CacheConfig, storage: Storage):
-        self.config, self.storage = config, storage
-        self.pool = PagePool(config.num_pages)
+    def __init__(self, config: CacheConfig, storage: Storage, member=None):
+        self.config, self.storage, self.member = config, storage, member
+        if member is None:
+            self.pool, self.run = PagePool(config.num_pages), 0
+        else:
+            member.bind(self, config.page_bytes, config.page_size)
+            self.pool, self.run = PagePool(member.num_pages, held=False), member.per_chunk
         self.slots = [Slot([0] * config.num_layers) for _ in range(config.max_num_seqs)]
         self.clock = itertools.count(1)  # stamps: when a slot went idle, which swap-out a SwappedSlot is
         self.zero_filled: set[tuple[int, int]] = set()  # (slot, page index) where the zero page is mapped
@@ -91,17 +99,31 @@ class SlotTable:
         s = self.slots[i]
         return max(0, len(s.pages) - self.config.pages_for(sizes.get(i, s.capacity)))
 
+    @property
+    def most_pages(self) -> int:
+        """Pages the table could ever hold."""
+        return self.pool.num_pages if self.member is None else self.member.most_pages()
+
     def has_room(self, pages: int, sizes: Mapping[int, int]) -> bool:
-        """Whether `pages` can be had from free and spare pages, the slots in
-        `sizes` keeping what those capacities need."""
+        """Whether `pages` can be had from free and spare pages (and what the
+        member could obtain), the slots in `sizes` keeping what those
+        capacities need."""
         free = self.pool.num_free
-        return pages <= free or pages <= free + sum(self.spare(i, sizes) for i in range(len(self.slots)))
+        if pages <= free:
+            return True
+        free += sum(self.spare(i, sizes) for i in range(len(self.slots)))
+        return pages <= free or (self.member is not None and pages <= free + self.member.obtainable())
 
     def make_room(self, pages: int, sizes: Mapping[int, int]) -> None:
-        """Reclaim spare pages until `pages` are free (the caller checked `has_room`)."""
-        deficit = pages - self.pool.num_free
-        if deficit > 0:
-            self.reclaim(deficit, sizes)
+        """Make `pages` free (the caller checked `has_room`): the member's
+        free chunks first, then this table's spare pages, then the other
+        members' idle chunks."""
+        if pages > self.pool.num_free and self.member is not None:
+            self.member.take_free(pages - self.pool.num_free)
+        if pages > self.pool.num_free:
+            self.reclaim(pages - self.pool.num_free, sizes)
+        if pages > self.pool.num_free and self.member is not None:
+            self.member.take_idle(pages - self.pool.num_free)
 
     def reclaim(self, pages: int, sizes: Mapping[int, int]) -> int:
         """Unmap up to `pages` spare pages, each slot's from its tail: idle
@@ -165,7 +187,7 @@ class SlotTable:
         grown = {}
         for (i, _), page in zip(entries, pages):
             grown.setdefault(i, self.slots[i].pages[:]).append(page)
-        n = sum(slot_entries(p) - slot_entries(self.slots[i].pages) for i, p in grown.items())
+        n = sum(slot_entries(p, self.run) - slot_entries(self.slots[i].pages, self.run) for i, p in grown.items())
         self.storage.draw_entries(n)
         try:
             self.storage.map(entries, pages)
@@ -187,9 +209,9 @@ class SlotTable:
         self.unmap_calls += 1
         n = 0
         for i, keep in cuts.items():
-            n += slot_entries(self.slots[i].pages)
+            n += slot_entries(self.slots[i].pages, self.run)
             del self.slots[i].pages[keep:]
-            n -= slot_entries(self.slots[i].pages)
+            n -= slot_entries(self.slots[i].pages, self.run)
         self.storage.draw_entries(-n)
         self.entries -= n
         return len(self.pool.release(pages))
@@ -231,11 +253,14 @@ class SlotTable:
         self.storage.write(i, self.slots[i].pages, start, data)
 
 
-def slot_entries(pages: list[int]) -> int:
+def slot_entries(pages: list[int], run: int = 0) -> int:
     """The mapping entries a slot's pages take in a buffer, at most: one per run
-    of consecutive pages (consecutive in the pool too, the OS merges them) and
-    one for the unmapped rest of the slot."""
-    return 2 + sum(b != a + 1 for a, b in zip(pages, pages[1:])) if pages else 0
+    of consecutive pages (consecutive in the pool too, the OS merges them; in a
+    shared pool a run also ends at each chunk of `run` pages) and one for the
+    unmapped rest of the slot."""
+    if not pages:
+        return 0
+    return 2 + sum(b != a + 1 or (run and b % run == 0) for a, b in zip(pages, pages[1:]))
 
 
 def short_at_map_limit(no_room):

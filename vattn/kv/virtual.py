@@ -13,7 +13,12 @@ only as far as its pages reach (`readable`), FlashAttention and the Triton
 kernel as far as the lengths they are given; for one batched call over a
 range of slots, `KVData.readable(..., fill=True)` maps one read-only zero page
 where it has none.
+
+With a `member` of a shared pool (`vattn.kv.shared`) the pages are the
+member's, in the chunks it holds of the pool's physical memory.
 """
+import dataclasses
+
 import torch
 
 from vattn.backends import Backend, get_backend
@@ -26,10 +31,13 @@ __all__ = ["VirtualKVCache", "VirtualStorage"]
 class VirtualStorage:
     """Pages mapped into one reservation holding every buffer."""
 
-    def __init__(self, config: CacheConfig, backend: Backend):
+    def __init__(self, config: CacheConfig, backend: Backend, member=None):
         c = self.config = config
-        self.backend, self.device = backend, backend.device
-        self.physical = backend.create_pool(c.num_pages * c.num_buffers, c.page_size)
+        self.backend, self.device, self.member = backend, backend.device, member
+        if member is None:
+            self.physical = backend.create_pool(c.num_pages * c.num_buffers, c.page_size)
+        else:
+            self.physical = backend.view(member.pool.physical, c.page_size)
         self._buffer_bytes = c.max_num_seqs * c.slot_bytes
         self.reservation = backend.reserve(c.num_buffers * self._buffer_bytes, zero_backed=backend.zero_backing)
         self.zero_backed = self.reservation.zero_backed
@@ -68,6 +76,8 @@ class VirtualStorage:
         self.backend.release(self.physical, self._physical_pages(pages))
 
     def committed_bytes(self) -> int:
+        if self.member is not None:
+            return self.member.held * self.member.pool.chunk_size
         return self.backend.committed_bytes(self.physical)
 
     def read(self, slot, table, start, nbytes) -> torch.Tensor:
@@ -111,7 +121,10 @@ class VirtualStorage:
 
     def _physical_pages(self, pages: list[int]) -> list[int]:
         """Physical pages of pages, buffer-major: page p of buffer b is physical
-        page b·P + p, so consecutive pages are consecutive per buffer."""
+        page b·P + p, so consecutive pages are consecutive per buffer (in a
+        shared pool, within each chunk: `PoolMember.physical_pages`)."""
+        if self.member is not None:
+            return self.member.physical_pages(pages, self.config.num_buffers)
         P = self.config.num_pages
         return [b * P + p for b in range(self.config.num_buffers) for p in pages]
 
@@ -119,8 +132,15 @@ class VirtualStorage:
 class VirtualKVCache(SlotCache):
     kind = "virtual"  # kernels read whole-buffer views (`KVData.views`)
 
-    def __init__(self, config: CacheConfig, backend: Backend | None = None):
+    def __init__(self, config: CacheConfig, backend: Backend | None = None, member=None):
+        """With `member` (a `PoolMember`) the cache draws on that shared pool,
+        whose budget replaces `config.memory_budget`."""
+        if member is not None:
+            backend = member.pool.backend
+            if torch.device(config.device).type != backend.device.type:
+                raise ValueError(f"a cache on {config.device} cannot draw on a pool on {backend.device}")
+            config = dataclasses.replace(config, memory_budget=member.pool.memory_budget)
         backend = backend or get_backend(config.device)
         config = resolve(config, backend)
-        super().__init__(config, VirtualStorage(config, backend))
+        super().__init__(config, VirtualStorage(config, backend, member), member)
         self.backend = backend

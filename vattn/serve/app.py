@@ -1,12 +1,14 @@
 """The HTTP front: OpenAI's endpoints over an `EngineLoop`, on FastAPI.
 
-Every request's prompts are tokenized here, checked against the context,
+Requests go to the model their `model` field names (none: the first one
+served).  Every request's prompts are tokenized here, checked against the context,
 and queued on the loop; its outputs come back on an asyncio queue and go
 out whole or as server-sent events.  A client that goes away aborts its
 requests at once (a task per HTTP request waits for the disconnect), and
 whatever goes wrong answers in OpenAI's error shape.
 """
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -15,23 +17,29 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from vattn.kv.shared import KVPool
 from vattn.llm import chat_token_ids
 from vattn.serve.loop import EngineLoop, Failed
 from vattn.serve.metrics import ServerMetrics
-from vattn.serve.protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, Sampling,
-                                  TokenizeRequest)
+from vattn.serve.protocol import (ApiError, ChatRequest, CompletionRequest, DetokenizeRequest, PoolLimits,
+                                  Sampling, TokenizeRequest)
 from vattn.serve.responses import Choices, event
+
+
+@dataclass(slots=True)
+class Model:
+    tokenizer: object
+    max_model_len: int
 
 
 @dataclass(slots=True)
 class Server:
     loop: EngineLoop
-    tokenizer: object
-    model_name: str
-    max_model_len: int
+    models: dict[str, Model]  # by the name requests use
     metrics: ServerMetrics
     api_key: str | None = None
     max_waiting_requests: int | None = None
+    pool: KVPool | None = None  # the KV pool the models share, if they do
 
 
 class Disconnected(Exception):
@@ -75,54 +83,84 @@ def make_app(server: Server) -> FastAPI:
 
     @v1.get("/models")
     async def models():
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "owned_by": "vattn",
-                                            "root": server.model_name, "max_model_len": server.max_model_len}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "owned_by": "vattn", "root": name,
+                                            "max_model_len": m.max_model_len} for name, m in server.models.items()]}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        _check_model(server, body.model)
+        _, model = _model(server, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give either prompt or messages", "prompt")
-        ids = _chat_ids(server, body.messages) if body.messages is not None else \
-            server.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
-        return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": list(ids)}
+        ids = _chat_ids(model, body.messages) if body.messages is not None else \
+            model.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+        return {"count": len(ids), "max_model_len": model.max_model_len, "tokens": list(ids)}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        _check_model(server, body.model)
-        vocab = len(server.tokenizer)
+        _, model = _model(server, body.model)
+        vocab = len(model.tokenizer)
         if not all(0 <= t < vocab for t in body.tokens):
             raise ApiError(400, f"token ids must be in [0, {vocab})", "tokens")
-        return {"prompt": server.tokenizer.decode(body.tokens)}
+        return {"prompt": model.tokenizer.decode(body.tokens)}
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, raw: Request):
-        _check(server, body)
-        prompts = [server.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in body.prompts()]
-        return await _serve(server, raw, body, prompts, "text_completion")
+        name, model = _checked(server, body)
+        prompts = [model.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in body.prompts()]
+        return await _serve(server, name, raw, body, prompts, "text_completion")
 
     @v1.post("/chat/completions")
     async def chat(body: ChatRequest, raw: Request):
-        _check(server, body)
-        return await _serve(server, raw, body, [_chat_ids(server, body.messages)], "chat.completion")
+        name, model = _checked(server, body)
+        return await _serve(server, name, raw, body, [_chat_ids(model, body.messages)], "chat.completion")
+
+    @v1.get("/kv_pool")
+    async def kv_pool():
+        return _pool_split(server)
+
+    @v1.post("/kv_pool")
+    async def set_kv_pool(body: PoolLimits):
+        """Set a model's floor and cap in the shared pool (on the engines' thread, between steps)."""
+        _pool_split(server)
+        name, _ = _model(server, body.model)
+        floor, cap = body.bytes("floor"), body.bytes("cap")
+        try:
+            await server.loop.call(lambda: server.pool.set_limits(name, floor, cap))
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        return _pool_split(server)
 
     app.include_router(v1)
     return app
 
 
-def _check(server: Server, body: Sampling) -> None:
-    _check_model(server, body.model)
+def _pool_split(server: Server) -> dict:
+    if server.pool is None:
+        raise ApiError(404, "this server's models do not share a KV pool (serve several with --model NAME=MODEL)")
+    pool = server.pool
+    return {"total_bytes": pool.memory_budget, "free_bytes": pool.free_chunks * pool.chunk_size,
+            "chunk_bytes": pool.chunk_size,
+            "models": {name: dataclasses.asdict(split) for name, split in pool.split().items()}}
+
+
+def _checked(server: Server, body: Sampling) -> tuple[str, Model]:
+    model = _model(server, body.model)
     body.check()
+    return model
 
 
-def _check_model(server: Server, model: str | None) -> None:
-    if model is not None and model != server.model_name:
-        raise ApiError(404, f"The model `{model}` does not exist.", "model")
+def _model(server: Server, name: str | None) -> tuple[str, Model]:
+    """The model a request names (None: the first one served)."""
+    if name is None:
+        name = next(iter(server.models))
+    if name not in server.models:
+        raise ApiError(404, f"The model `{name}` does not exist.", "model")
+    return name, server.models[name]
 
 
-def _chat_ids(server: Server, messages: list[dict]) -> list[int]:
+def _chat_ids(model: Model, messages: list[dict]) -> list[int]:
     try:
-        return chat_token_ids(server.tokenizer, [_flat(m) for m in messages])
+        return chat_token_ids(model.tokenizer, [_flat(m) for m in messages])
     except Exception as e:
         raise ApiError(400, f"the messages do not fit the chat template: {type(e).__name__}: {e}", "messages")
 
@@ -135,11 +173,12 @@ def _flat(message: dict) -> dict:
     return message
 
 
-async def _serve(server: Server, raw: Request, body: CompletionRequest | ChatRequest, prompts: list[list[int]],
-                 kind: str):
-    """Queue the prompts, then answer whole or streamed (`kind`: the
-    response's object, "text_completion" or "chat.completion")."""
-    limit = server.max_model_len
+async def _serve(server: Server, name: str, raw: Request, body: CompletionRequest | ChatRequest,
+                 prompts: list[list[int]], kind: str):
+    """Queue the prompts to model `name`, then answer whole or streamed
+    (`kind`: the response's object, "text_completion" or "chat.completion")."""
+    model = server.models[name]
+    limit = model.max_model_len
     for ids in prompts:
         if len(ids) >= limit:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, your request has "
@@ -149,16 +188,17 @@ async def _serve(server: Server, raw: Request, body: CompletionRequest | ChatReq
             raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
                                 f"{len(ids) + asked} tokens ({len(ids)} in the prompt, {asked} in the completion). "
                                 f"Please reduce the length of the prompt or completion.", "max_tokens")
-    if server.max_waiting_requests is not None and server.loop.num_waiting >= server.max_waiting_requests:
-        raise ApiError(503, f"{server.loop.num_waiting} requests are waiting, the most this server queues "
+    waiting = server.loop.num_waiting(name)
+    if server.max_waiting_requests is not None and waiting >= server.max_waiting_requests:
+        raise ApiError(503, f"{waiting} requests to {name} are waiting, the most this server queues "
                             f"(--max-waiting-requests): try again later")
-    choices = Choices(kind, server.model_name, server.tokenizer, body.n, [len(p) for p in prompts],
+    choices = Choices(kind, name, model.tokenizer, body.n, [len(p) for p in prompts],
                       body.logprob_count is not None, body.stops)
     out: asyncio.Queue = asyncio.Queue()
     ids = [f"{choices.id}-{i}" for i in range(len(prompts))]
     try:
         for request_id, prompt in zip(ids, prompts):
-            await server.loop.add(request_id, prompt, body.params(body.max_tokens_for(len(prompt), limit)), out)
+            await server.loop.add(name, request_id, prompt, body.params(body.max_tokens_for(len(prompt), limit)), out)
     except ValueError as e:
         _abort(server, ids)
         raise ApiError(400, str(e)) from None

@@ -1,11 +1,13 @@
-"""The engine's step loop on a thread of its own, and the thread-safe way in
+"""The engines' step loop on a thread of its own, and the thread-safe way in
 and out of it for the server's handlers.
 
-Handlers (on the event loop) queue commands — add a request, abort one, end
-them all — and wake the thread; the thread runs the commands, then a step
-whenever a request is unfinished, and hands each request's outputs to the
-asyncio queue of the handler that added it.  Only this thread touches the
-engine, so the event loop never waits for a step.
+Handlers (on the event loop) queue commands — add a request to a model's
+engine, abort one, end them all, run a function — and wake the thread; the
+thread runs the commands, then one step of each engine with an unfinished
+request in turn (so no model starves while another has work), and hands each
+request's outputs to the asyncio queue of the handler that added it.  Only
+this thread touches the engines (and so the KV pool they may share), so the
+event loop never waits for a step.
 """
 import asyncio
 import logging
@@ -29,28 +31,40 @@ class Failed(str):
     """What a request's queue gets when the server ends it with an error (the message)."""
 
 
+Observe = Callable[[str, LLMEngine, list[RequestOutput]], None]
+
+
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, observe: Callable[[LLMEngine, list[RequestOutput]], None] | None = None):
-        """`observe(engine, outputs)` is called on the thread after every step
-        (the metrics)."""
-        self.engine, self._observe = engine, observe
+    def __init__(self, engines: dict[str, LLMEngine], observe: Observe | None = None):
+        """`engines` by model name; `observe(name, engine, outputs)` is called
+        on the thread after every step of an engine (the metrics)."""
+        self.engines, self._observe = engines, observe
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._model: dict[str, str] = {}  # request id -> the model serving it
         self._stopped = False
-        self._failed_steps = 0
+        self._failed_steps = dict.fromkeys(engines, 0)
         self._thread = threading.Thread(target=self._run, name="vattn-engine", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------ the handlers' side
 
-    async def add(self, request_id: str, prompt: list[int], params: SamplingParams, out: asyncio.Queue) -> None:
-        """Queue a request whose outputs go to `out` (each a `RequestOutput`,
-        or `Failed`).  The engine's refusal (`ValueError`) is raised here,
-        with nothing queued."""
+    async def add(self, model: str, request_id: str, prompt: list[int], params: SamplingParams,
+                  out: asyncio.Queue) -> None:
+        """Queue a request to `model` whose outputs go to `out` (each a
+        `RequestOutput`, or `Failed`).  The engine's refusal (`ValueError`)
+        is raised here, with nothing queued."""
         done: Future = Future()
-        self._send("add", request_id, prompt, params, (asyncio.get_running_loop(), out), done)
+        self._send("add", model, request_id, prompt, params, (asyncio.get_running_loop(), out), done)
         await asyncio.wrap_future(done)
+
+    async def call(self, fn: Callable[[], object]) -> object:
+        """`fn()` run on the thread between steps (what touches the engines or their pool); its result or
+        exception."""
+        done: Future = Future()
+        self._send("call", fn, done)
+        return await asyncio.wrap_future(done)
 
     def abort(self, request_id: str) -> None:
         """End a request now (its client went away); its pages go back."""
@@ -60,14 +74,14 @@ class EngineLoop:
         """End every request in flight with an error (`Failed(message)`)."""
         self._send("fail_all", message)
 
-    @property
-    def num_waiting(self) -> int:
-        """Requests queued and not yet running (read from any thread: a snapshot)."""
-        return len(self.engine.scheduler.waiting) + self._commands.qsize()
+    def num_waiting(self, model: str) -> int:
+        """Requests to `model` queued and not yet running, and commands not yet run (read from any thread: a
+        snapshot)."""
+        return len(self.engines[model].scheduler.waiting) + self._commands.qsize()
 
     @property
     def is_healthy(self) -> bool:
-        return self._thread.is_alive() and self.engine.is_healthy
+        return self._thread.is_alive() and all(e.is_healthy for e in self.engines.values())
 
     def close(self) -> None:
         """Stop the thread (requests still in flight are ended with an error)."""
@@ -84,14 +98,17 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stopped:
             if self._drain():
-                self._observed([])  # an abort changes the figures without a step
+                for name, engine in self.engines.items():
+                    self._observed(name, engine, [])  # an abort changes the figures without a step
             if self._stopped:
                 break
-            if not self.engine.has_unfinished_requests():
+            busy = [name for name, engine in self.engines.items() if engine.has_unfinished_requests()]
+            if not busy:
                 self._wake.wait()
                 self._wake.clear()
                 continue
-            self._step()
+            for name in busy:
+                self._step(name)
 
     def _drain(self) -> int:
         """Run the queued commands; how many there were."""
@@ -107,49 +124,60 @@ class EngineLoop:
             except Exception:  # nothing a command does may stop the loop
                 log.exception("%s failed", command)
 
-    def _add(self, request_id, prompt, params, out, done: Future) -> None:
+    def _add(self, model, request_id, prompt, params, out, done: Future) -> None:
         try:
-            self.engine.add_request(prompt, params, request_id)
+            self.engines[model].add_request(prompt, params, request_id)
         except Exception as e:
             done.set_exception(e)
             return
-        self._queues[request_id] = out
+        self._queues[request_id], self._model[request_id] = out, model
         done.set_result(None)
 
-    def _abort(self, request_id) -> None:
-        if self._queues.pop(request_id, None) is not None and request_id in self.engine.requests:
-            self.engine.abort(request_id)
-            log.info("aborted %s", request_id)
+    def _call(self, fn, done: Future) -> None:
+        try:
+            done.set_result(fn())
+        except Exception as e:
+            done.set_exception(e)
 
-    def _fail_all(self, message) -> None:
-        self._deliver([(request_id, Failed(message)) for request_id in self._queues])
-        for request_id in list(self._queues):
+    def _abort(self, request_id) -> None:
+        model = self._model.pop(request_id, None)
+        if self._queues.pop(request_id, None) is not None and request_id in self.engines[model].requests:
+            self.engines[model].abort(request_id)
+            log.info("aborted %s of %s", request_id, model)
+
+    def _fail_all(self, message, model: str | None = None) -> None:
+        """End every request in flight (to `model`, where given) with an error."""
+        ids = [i for i in self._queues if model is None or self._model[i] == model]
+        self._deliver([(request_id, Failed(message)) for request_id in ids])
+        for request_id in ids:
             self._abort(request_id)
 
     def _stop(self) -> None:
         self._stopped = True
 
-    def _step(self) -> None:
+    def _step(self, name: str) -> None:
+        engine = self.engines[name]
         try:
-            outputs = self.engine.step()
+            outputs = engine.step()
         except Exception as e:
-            self._failed_steps += 1
-            log.error("step failed (%d in a row): %s: %s", self._failed_steps, type(e).__name__, e)
-            if self._failed_steps >= FAILED_STEPS:
-                self._fail_all(f"the engine failed {self._failed_steps} steps in a row: {type(e).__name__}: {e}")
+            failed = self._failed_steps[name] = self._failed_steps[name] + 1
+            log.error("%s: step failed (%d in a row): %s: %s", name, failed, type(e).__name__, e)
+            if failed >= FAILED_STEPS:
+                self._fail_all(f"the engine failed {failed} steps in a row: {type(e).__name__}: {e}", name)
             time.sleep(RETRY_SECONDS)
             return
-        self._failed_steps = 0
-        self._observed(outputs)  # first, so that a client that has its tokens finds them counted
+        self._failed_steps[name] = 0
+        self._observed(name, engine, outputs)  # first, so that a client that has its tokens finds them counted
         self._deliver([(output.request_id, output) for output in outputs])
         for output in outputs:
             if output.finished:
                 self._queues.pop(output.request_id, None)
+                self._model.pop(output.request_id, None)
 
-    def _observed(self, outputs: list[RequestOutput]) -> None:
+    def _observed(self, name: str, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         if self._observe is not None:
             try:
-                self._observe(self.engine, outputs)
+                self._observe(name, engine, outputs)
             except Exception:
                 log.exception("observing the step failed")
 

@@ -1,7 +1,9 @@
 """The server's Prometheus metrics: vLLM's names under the prefix `vattn:`,
 each labelled `model_name`, and vattn's own (pages mapped, idle, shared; map
-calls; mapping time on the step's critical path).  Updated on the engine's
-thread after every step (`observe`); prometheus_client is thread-safe."""
+calls; mapping time on the step's critical path; a shared KV pool's total and
+free bytes and each model's share of it).  Updated on the engines' thread
+after every step (`observe`), the pool's when scraped; prometheus_client is
+thread-safe."""
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from vattn.engine.llm_engine import LLMEngine
@@ -18,33 +20,74 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    """Every model's figures (`models[name]`), and the shared KV pool's where there is one."""
+
+    def __init__(self, model_names: list[str], pool=None):
         self.registry = r = CollectorRegistry()
         label = ["model_name"]
+        families = {name: kind(PREFIX + name, doc, label, registry=r, **kw)
+                    for name, (kind, doc, kw) in METRICS.items()}
+        success = Counter(PREFIX + "request_success", "Requests finished, by finish reason",
+                          ["model_name", "finished_reason"], registry=r)
+        self.models = {name: ModelMetrics(name, families, success) for name in model_names}
+        self.pool = pool
+        if pool is not None:
+            self._pool = Gauge(PREFIX + "kv_pool_bytes", "The shared KV pool's bytes, in all and free", ["kind"],
+                               registry=r)
+            self._pool.labels("total").set(pool.memory_budget)
+            self._member = Gauge(PREFIX + "kv_pool_model_bytes", "Each model's share of the shared KV pool: chunks "
+                                 "held, pages mapped, idle pages, floor and cap", ["model_name", "kind"], registry=r)
 
-        def make(kind, name, doc, **kw):
-            return kind(PREFIX + name, doc, label, registry=r, **kw).labels(model_name)
+    def observe(self, name: str, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
+        """After a step of model `name`'s engine."""
+        self.models[name].observe(engine, outputs)
 
-        self.running = make(Gauge, "num_requests_running", "Requests running on the engine")
-        self.waiting = make(Gauge, "num_requests_waiting", "Requests waiting to run (and swapped out)")
-        self.kv_usage = make(Gauge, "kv_cache_usage_perc", "Share of the KV pages running requests hold (1 = all)")
-        self.pages_mapped = make(Gauge, "kv_pages_mapped", "KV pages mapped, by running requests or idle slots")
-        self.pages_idle = make(Gauge, "kv_pages_idle", "KV pages held only by idle slots (reclaimable)")
-        self.pages_shared = make(Gauge, "kv_pages_shared", "KV pages mapped into more than one slot")
-        self.map_calls = make(Counter, "kv_map_calls", "Batched calls that mapped pages")
-        self.map_seconds = make(Counter, "kv_map_seconds", "Mapping time on the steps' critical path")
-        self.prefix_queries = make(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
-        self.prefix_hits = make(Counter, "prefix_cache_hits", "Prompt tokens the prefix cache served")
-        self.preemptions = make(Counter, "num_preemptions", "Requests preempted")
-        self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens of requests that started")
-        self.generation_tokens = make(Counter, "generation_tokens", "Tokens generated")
-        self.ttft = make(Histogram, "time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS)
-        self.itl = make(Histogram, "inter_token_latency_seconds", "Time between tokens", buckets=ITL_BUCKETS)
-        self.e2e = make(Histogram, "e2e_request_latency_seconds", "Request latency", buckets=REQUEST_BUCKETS)
-        self.queue = make(Histogram, "request_queue_time_seconds", "Time waiting before first scheduled",
-                          buckets=REQUEST_BUCKETS)
-        self._success = Counter(PREFIX + "request_success", "Requests finished, by finish reason",
-                                ["model_name", "finished_reason"], registry=r)
+    def text(self) -> bytes:
+        if self.pool is not None:
+            self._pool.labels("free").set(self.pool.free_chunks * self.pool.chunk_size)
+            for name, split in self.pool.split().items():
+                for kind in ("held", "mapped", "idle", "floor", "cap"):
+                    self._member.labels(name, kind).set(getattr(split, kind))
+        return generate_latest(self.registry)
+
+
+# name: (kind, description, options) of each model's metrics
+METRICS = {
+    "num_requests_running": (Gauge, "Requests running on the engine", {}),
+    "num_requests_waiting": (Gauge, "Requests waiting to run (and swapped out)", {}),
+    "kv_cache_usage_perc": (Gauge, "Share of the KV pages running requests hold (1 = all it could hold)", {}),
+    "kv_pages_mapped": (Gauge, "KV pages mapped, by running requests or idle slots", {}),
+    "kv_pages_idle": (Gauge, "KV pages held only by idle slots (reclaimable)", {}),
+    "kv_pages_shared": (Gauge, "KV pages mapped into more than one slot", {}),
+    "kv_map_calls": (Counter, "Batched calls that mapped pages", {}),
+    "kv_map_seconds": (Counter, "Mapping time on the steps' critical path", {}),
+    "prefix_cache_queries": (Counter, "Prompt tokens looked up in the prefix cache", {}),
+    "prefix_cache_hits": (Counter, "Prompt tokens the prefix cache served", {}),
+    "num_preemptions": (Counter, "Requests preempted", {}),
+    "prompt_tokens": (Counter, "Prompt tokens of requests that started", {}),
+    "generation_tokens": (Counter, "Tokens generated", {}),
+    "time_to_first_token_seconds": (Histogram, "Time to first token", {"buckets": TTFT_BUCKETS}),
+    "inter_token_latency_seconds": (Histogram, "Time between tokens", {"buckets": ITL_BUCKETS}),
+    "e2e_request_latency_seconds": (Histogram, "Request latency", {"buckets": REQUEST_BUCKETS}),
+    "request_queue_time_seconds": (Histogram, "Time waiting before first scheduled", {"buckets": REQUEST_BUCKETS}),
+}
+
+
+class ModelMetrics:
+    """One model's children of the metric families."""
+
+    def __init__(self, model_name: str, families: dict, success: Counter):
+        m = {name: family.labels(model_name) for name, family in families.items()}
+        self.running, self.waiting = m["num_requests_running"], m["num_requests_waiting"]
+        self.kv_usage, self.pages_mapped = m["kv_cache_usage_perc"], m["kv_pages_mapped"]
+        self.pages_idle, self.pages_shared = m["kv_pages_idle"], m["kv_pages_shared"]
+        self.map_calls, self.map_seconds = m["kv_map_calls"], m["kv_map_seconds"]
+        self.prefix_queries, self.prefix_hits = m["prefix_cache_queries"], m["prefix_cache_hits"]
+        self.preemptions = m["num_preemptions"]
+        self.prompt_tokens, self.generation_tokens = m["prompt_tokens"], m["generation_tokens"]
+        self.ttft, self.itl = m["time_to_first_token_seconds"], m["inter_token_latency_seconds"]
+        self.e2e, self.queue = m["e2e_request_latency_seconds"], m["request_queue_time_seconds"]
+        self._success = success
         self._model_name = model_name
         self._seen: dict[str, float] = {}  # the engine's running totals at the last step
 
@@ -53,7 +96,7 @@ class ServerMetrics:
         s, st = engine.scheduler, engine.kv.stats()
         self.running.set(len(s.running))
         self.waiting.set(len(s.waiting) + len(s.swapped))
-        self.kv_usage.set((st.pages_mapped - st.pages_idle) / st.pages_total if st.pages_total else 0.0)
+        self.kv_usage.set((st.pages_mapped - st.pages_idle) / engine.kv.num_pages)
         self.pages_mapped.set(st.pages_mapped)
         self.pages_idle.set(st.pages_idle)
         self.pages_shared.set(st.pages_shared)
@@ -82,6 +125,3 @@ class ServerMetrics:
                 self.e2e.observe(m.finish_time - m.arrival_time)
             for c in out.outputs:
                 self._success.labels(self._model_name, c.finish_reason or "abort").inc()
-
-    def text(self) -> bytes:
-        return generate_latest(self.registry)

@@ -1,22 +1,18 @@
 """`vattn serve`'s flags: vLLM's names wherever vLLM has the setting."""
 import argparse
-import re
 
 from vattn import dtypes, models
-
-SIZES = {"": 1, "b": 1, "kib": 2**10, "kb": 10**3, "k": 2**10, "mib": 2**20, "mb": 10**6, "m": 2**20,
-         "gib": 2**30, "gb": 10**9, "g": 2**30}
+from vattn.serve.sizes import byte_size
 
 
-def byte_size(text: str) -> int:
-    """Bytes from "1073741824", "60e9", "512MiB", "2GiB" or "1.5GB"; at least one."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not match or match[2].lower() not in SIZES:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: bytes, or a number with KiB, MiB, GiB, KB, MB, GB")
-    size = int(float(match[1]) * SIZES[match[2].lower()])
-    if size < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: it must be at least one byte")
-    return size
+def named(value_type):
+    """The type of a NAME=VALUE flag: (name, value_type(value))."""
+    def parse(text: str):
+        name, sep, value = text.partition("=")
+        if not sep or not name or not value:
+            raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
+        return name, value_type(value)
+    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,12 +22,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", help="the name requests use (default: the model as given)")
+    p.add_argument("--model", dest="models", metavar="NAME=MODEL", type=named(str), action="append", default=[],
+                   help="serve MODEL under NAME (repeat for several models; they share one KV pool of "
+                        "--kv-cache-memory-bytes)")
+    p.add_argument("--kv-floor", metavar="NAME=BYTES", type=named(byte_size), action="append", default=[],
+                   help="KV memory of the shared pool guaranteed to model NAME")
+    p.add_argument("--kv-cap", metavar="NAME=BYTES", type=named(byte_size), action="append", default=[],
+                   help="the most KV memory of the shared pool model NAME may hold")
     p.add_argument("--api-key", help="requests to /v1 must carry Authorization: Bearer KEY")
     p.add_argument("--dtype", default="auto", choices=list(dtypes.SETTINGS), help="vattn.dtypes")
     p.add_argument("--max-model-len", type=int, help="the context: prompt and answer (the engine's max_seq_len)")
     p.add_argument("--max-num-seqs", type=int, help="sequences at once")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens of one forward")
-    p.add_argument("--kv-cache-memory-bytes", type=byte_size, help="the KV memory budget: bytes, or 512MiB, 2GiB")
+    p.add_argument("--kv-cache-memory-bytes", type=byte_size,
+                   help="the KV memory budget (of every model together): bytes, or 512MiB, 2GiB")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--preemption-mode", choices=["recompute", "swap"])

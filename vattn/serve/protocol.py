@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from vattn.sampling_params import SamplingParams
+from vattn.serve.sizes import byte_size
 
 
 class ApiError(Exception):
@@ -149,3 +150,20 @@ class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[int]
 
+
+
+class PoolLimits(BaseModel):
+    """`POST /v1/kv_pool`: a model's new floor and cap in the shared KV pool,
+    each bytes or a size ("512MiB"); one left out stays as it is."""
+    model: str
+    floor: int | str | None = None
+    cap: int | str | None = None
+
+    def bytes(self, name: str) -> int | None:
+        value = getattr(self, name)
+        if isinstance(value, str):
+            try:
+                return byte_size(value)
+            except Exception as e:
+                raise ApiError(400, str(e), name) from None
+        return value
