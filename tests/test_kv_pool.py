@@ -411,6 +411,23 @@ def test_two_models_on_one_pool_answer_as_each_does_alone():
     pool.check()
 
 
+def test_a_quiet_model_s_idle_chunks_serve_the_busy_one_s_first_step():
+    """Two tiny models on two chunks (a page of 128 tokens each): the quiet one's idle pages hold the whole
+    pool, and the busy one's request runs in the very step after it asked."""
+    from tiny_models import tiny_model
+    from vattn.engine import EngineConfig, LLMEngine
+
+    pool = KVPool(2 * CHUNK, chunk_size=CHUNK)
+    quiet = LLMEngine(tiny_model("llama", "sdpa"), config=EngineConfig(kv_pool=pool.add("quiet")))
+    busy = LLMEngine(tiny_model("llama", "sdpa", num_hidden_layers=1), config=EngineConfig(kv_pool=pool.add("busy")))
+    outputs([(quiet, [[5] * 100, [6] * 100])])
+    assert pool.members["quiet"].held == 2 and quiet.kv.stats().pages_idle == 2
+    busy.add_request([7] * 20, greedy(4), "asks")
+    (first,) = busy.step()
+    assert len(first.outputs[0].token_ids) == 1 and pool.members["quiet"].held == 1
+    pool.check()
+
+
 def test_engines_refuse_a_pool_they_cannot_use():
     from tiny_models import tiny_model
     from vattn.engine import EngineConfig, LLMEngine

@@ -58,9 +58,14 @@ class Backend(ABC):
     @abstractmethod
     def release(self, pool, pages: Sequence[int]) -> None:
         """Give the memory of unmapped, unreferenced pages back where the
-        backend can: the host's then read as zeros when next mapped; a CUDA
-        pool is the budget, held from the start, so its pages are zeroed
-        instead (they may go to another cache of a shared pool)."""
+        backend can (the host's then read as zeros when next mapped; a CUDA
+        pool is the budget, held from the start, so nothing happens)."""
+
+    def zero(self, pool, pages: Sequence[int]) -> None:
+        """Make unmapped pages read as zeros before another cache maps them
+        (a shared pool's chunk changing hands), giving their memory back
+        where `release` does: by default `release`, after which they read as zeros."""
+        self.release(pool, pages)
 
     @abstractmethod
     def committed_bytes(self, pool) -> int:

@@ -245,10 +245,10 @@ class CudaBackend(Backend):
             pool.handles.append(check(driver.cuMemCreate(page_size, self.allocation_prop, 0),
                                        f"cuMemCreate of page {pool.num_pages + 1} of {num_pages} "
                                        f"({page_size} bytes each)"))
-        self._zero(pool, range(num_pages))
+        self.zero(pool, range(num_pages))
         return pool
 
-    def _zero(self, pool: CudaPool, pages: Sequence[int]) -> None:
+    def zero(self, pool: CudaPool, pages: Sequence[int]) -> None:
         """Zero `pages` through a scratch mapping.  Fresh handles hold whatever the GPU held, and a
         masked row must read as finite; a shared pool's pages are zeroed before another cache has them."""
         if not (pages := list(pages)):
@@ -315,8 +315,7 @@ class CudaBackend(Backend):
             reservation.settle()
 
     def release(self, pool: CudaPool, pages: Sequence[int]) -> None:
-        """Zero the pages: the pool is the memory budget, held from the start."""
-        self._zero(pool, pages)
+        """Nothing: the pool is the memory budget, held from the start."""
 
     def committed_bytes(self, pool: CudaPool) -> int:
         return pool.num_pages * pool.page_size

@@ -24,8 +24,9 @@ cores:
 
 While a system runs, its `/metrics` are read twice a second: vattn's pool
 bytes per model (held, mapped), vLLM's KV usage (of a third each; vLLM
-reserves its third at start).  Peak PSS is sampled over every process of
-the system.
+reserves its third at start).  Peak PSS is sampled over every process of a
+server, and summed over vLLM's three servers' peaks.  Each server answers
+one short request per model before the timed run.
 """
 import argparse
 import asyncio
@@ -199,8 +200,8 @@ async def _send(client, url: str, model: str, req: dict, start: float) -> dict:
     end = time.perf_counter()
     if error is None and tokens != req["max_tokens"]:
         error = f"{tokens} of {req['max_tokens']} tokens"
-    return {"model": model, "arrival": req["arrival"], "sent": sent - start, "ttft": None if first is None else first - sent,
-            "latency": end - sent, "tokens": tokens, "error": error}
+    return {"model": model, "arrival": req["arrival"], "sent": sent - start,
+            "ttft": None if first is None else first - sent, "latency": end - sent, "tokens": tokens, "error": error}
 
 
 def figures(results: list[dict]) -> dict:

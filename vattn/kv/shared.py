@@ -138,14 +138,18 @@ class KVPool:
                 chunks = [c for c, o in enumerate(self.owner) if o is None][:n]
             else:
                 chunks = source.let_go(n)
-                per = self.chunk_size // self.physical.page_size
-                self.backend.release(self.physical, [c * per + i for c in chunks for i in range(per)])
+                self._clear(chunks)
             for c in chunks:
                 self.owner[c] = target
             if target is not None:
                 target.receive(chunks)
             self.moves += len(chunks) if source is not None and target is not None else 0
             return len(chunks)
+
+    def _clear(self, chunks: list[int]) -> None:
+        """Make `chunks` read as zeros (`Backend.zero`: the host gives their memory back, CUDA zeroes them)."""
+        per = self.chunk_size // self.physical.page_size
+        self.backend.zero(self.physical, [c * per + i for c in chunks for i in range(per)])
 
     def split(self) -> dict[str, MemberSplit]:
         with self.lock:
@@ -194,15 +198,14 @@ class PoolMember:
         self.per_chunk = chunk // page_bytes
         self.chunks = [None] * self.pool.num_chunks
         self._table = weakref.ref(table)
-        weakref.finalize(table, self._unbind)
+        weakref.finalize(table, self._unbind).atexit = False  # at exit the memory goes with the process
 
     def _unbind(self) -> None:
         """The cache is gone: its chunks go back to the pool."""
         p = self.pool
         with p.lock:
-            per = p.chunk_size // p.physical.page_size
             gone = [c for c in self.chunks if c is not None]
-            p.backend.release(p.physical, [c * per + i for c in gone for i in range(per)])
+            p._clear(gone)
             for c in gone:
                 p.owner[c] = None
             self.chunks = [None] * len(self.chunks)

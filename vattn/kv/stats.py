@@ -73,4 +73,5 @@ def check(t: SlotTable) -> None:
         else:
             assert not any(s.written), f"idle slot {i} has tokens written"
             assert all(t.pool.refs[p] == 1 for p in s.pages), f"idle slot {i} holds a shared page"
-    assert t.entries == sum(slot_entries(s.pages, t.run) for s in t.slots), "the mapping entries drawn are not the slots'"
+    assert t.entries == sum(slot_entries(s.pages, t.run) for s in t.slots), \
+        "the mapping entries drawn are not the slots'"

@@ -116,37 +116,42 @@ def make_app(server: Server) -> FastAPI:
 
     @v1.get("/kv_pool")
     async def kv_pool():
-        return _pool_split(server)
+        return _split(_pool(server))
 
     @v1.post("/kv_pool")
     async def set_kv_pool(body: PoolLimits):
         """Set a model's floor and cap in the shared pool (on the engines' thread, between steps)."""
-        _pool_split(server)
+        pool = _pool(server)
         name, _ = _model(server, body.model)
         floor, cap = body.bytes("floor"), body.bytes("cap")
         try:
-            await server.loop.call(lambda: server.pool.set_limits(name, floor, cap))
+            await server.loop.call(lambda: pool.set_limits(name, floor, cap))
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-        return _pool_split(server)
+        return _split(pool)
 
     app.include_router(v1)
     return app
 
 
-def _pool_split(server: Server) -> dict:
+def _pool(server: Server) -> KVPool:
+    """The KV pool the models share (404 where they do not)."""
     if server.pool is None:
         raise ApiError(404, "this server's models do not share a KV pool (serve several with --model NAME=MODEL)")
-    pool = server.pool
+    return server.pool
+
+
+def _split(pool: KVPool) -> dict:
     return {"total_bytes": pool.memory_budget, "free_bytes": pool.free_chunks * pool.chunk_size,
             "chunk_bytes": pool.chunk_size,
             "models": {name: dataclasses.asdict(split) for name, split in pool.split().items()}}
 
 
 def _checked(server: Server, body: Sampling) -> tuple[str, Model]:
-    model = _model(server, body.model)
+    """The model a sampling request names, and its body checked."""
+    named = _model(server, body.model)
     body.check()
-    return model
+    return named
 
 
 def _model(server: Server, name: str | None) -> tuple[str, Model]:

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from vattn.engine.llm_engine import LLMEngine
 from vattn.engine.request import RequestOutput
+from vattn.kv.shared import KVPool
 
 PREFIX = "vattn:"
 # vLLM's buckets (seconds)
@@ -22,7 +23,7 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 class ServerMetrics:
     """Every model's figures (`models[name]`), and the shared KV pool's where there is one."""
 
-    def __init__(self, model_names: list[str], pool=None):
+    def __init__(self, model_names: list[str], pool: KVPool | None = None):
         self.registry = r = CollectorRegistry()
         label = ["model_name"]
         families = {name: kind(PREFIX + name, doc, label, registry=r, **kw)
@@ -32,11 +33,12 @@ class ServerMetrics:
         self.models = {name: ModelMetrics(name, families, success) for name in model_names}
         self.pool = pool
         if pool is not None:
-            self._pool = Gauge(PREFIX + "kv_pool_bytes", "The shared KV pool's bytes, in all and free", ["kind"],
-                               registry=r)
-            self._pool.labels("total").set(pool.memory_budget)
-            self._member = Gauge(PREFIX + "kv_pool_model_bytes", "Each model's share of the shared KV pool: chunks "
-                                 "held, pages mapped, idle pages, floor and cap", ["model_name", "kind"], registry=r)
+            self._pool_bytes = Gauge(PREFIX + "kv_pool_bytes", "The shared KV pool's bytes, in all and free",
+                                     ["kind"], registry=r)
+            self._pool_bytes.labels("total").set(pool.memory_budget)
+            self._model_bytes = Gauge(PREFIX + "kv_pool_model_bytes", "Each model's share of the shared KV pool: "
+                                      "chunks held, pages mapped, idle pages, floor and cap", ["model_name", "kind"],
+                                      registry=r)
 
     def observe(self, name: str, engine: LLMEngine, outputs: list[RequestOutput]) -> None:
         """After a step of model `name`'s engine."""
@@ -44,10 +46,10 @@ class ServerMetrics:
 
     def text(self) -> bytes:
         if self.pool is not None:
-            self._pool.labels("free").set(self.pool.free_chunks * self.pool.chunk_size)
+            self._pool_bytes.labels("free").set(self.pool.free_chunks * self.pool.chunk_size)
             for name, split in self.pool.split().items():
                 for kind in ("held", "mapped", "idle", "floor", "cap"):
-                    self._member.labels(name, kind).set(getattr(split, kind))
+                    self._model_bytes.labels(name, kind).set(getattr(split, kind))
         return generate_latest(self.registry)
 
 
