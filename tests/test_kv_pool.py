@@ -277,28 +277,6 @@ def test_a_cap_bounds_a_model_and_lowering_it_gives_idle_chunks_back():
     a.check(), pool.check()
 
 
-def test_a_model_past_its_fair_share_admits_nothing_new_while_another_waits():
-    import time
-
-    from vattn.kv import KVCacheManager
-
-    pool, a, b = two(chunks=4)
-    slots = [a.allocate(256) for _ in range(3)]  # a's running requests hold 3 chunks, past an equal half
-    ma, mb, manager_a, manager_b = pool.members["a"], pool.members["b"], KVCacheManager(a), KVCacheManager(b)
-    assert not ma.restrained() and manager_a.num_available_pages() == 4  # the free chunk
-    manager_b.short_of()  # b's scheduler found no room for a request
-    assert ma.restrained() and manager_a.num_available_pages() == 0 and not mb.restrained()
-    manager_a.short_of()  # a restrained model's own shortage restrains nobody
-    assert not mb.restrained()
-    a.free(slots[0])
-    assert ma.restrained()  # two chunks: its share, and no more
-    a.free(slots[1])
-    assert not ma.restrained() and manager_a.num_available_pages() > 0
-    a.allocate(256), a.allocate(256)
-    mb.wanted = time.monotonic() - 0.1  # b's ask has lapsed
-    assert not ma.restrained()
-
-
 def test_a_cache_that_goes_gives_its_chunks_back():
     pool, a, b = two(chunks=3)
     b.allocate(256), b.allocate(256)

@@ -153,10 +153,7 @@ class Scheduler:
         limit = self.config.max_running_tokens
         if limit is not None and self.running and sum(map(_tokens, self.running)) + _tokens(req) > limit:
             return False
-        if self._fits(sum(self.kv.pages_for(len(s.token_ids)) for s in req.live_seqs)):
-            return True
-        self.kv.short_of()  # in a shared pool the others then admit nothing past their fair share
-        return False
+        return self._fits(sum(self.kv.pages_for(len(s.token_ids)) for s in req.live_seqs))
 
     def _fits(self, pages: int) -> bool:
         """Whether `pages` more would leave the watermark free (or nothing else runs)."""

@@ -50,16 +50,8 @@ class KVCacheManager:
         return member is not None and any(o.held for o in member.pool.members.values() if o is not member)
 
     def num_available_pages(self) -> int:
-        """Pages free or reclaimable now (none for new requests while a shared pool restrains this model)."""
-        member = self.cache.table.member
-        return 0 if member is not None and member.restrained() else self.cache.available_pages()
-
-    def short_of(self) -> None:
-        """A new request found no room: in a shared pool, where this model is below its cap and not
-        restrained itself, the others admit nothing past their fair share for a while (`PoolMember.want`)."""
-        member = self.cache.table.member
-        if member is not None and member.held < member.cap and not member.restrained():
-            member.want()
+        """Pages free or reclaimable now."""
+        return self.cache.available_pages()
 
     @property
     def num_mapped_pages(self) -> int:

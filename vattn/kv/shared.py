@@ -16,12 +16,7 @@ members' unmet floors still need are kept for them.  A member short of pages
 takes free chunks first, then reclaims its own idle pages (deferred
 reclamation, `SlotTable.make_room`), then takes idle chunks of the others
 above their floors, from the member with the most first; only when none is
-left does its scheduler preempt.  Under contention a member whose running
-requests hold a fair share already (its floor, or an equal part of the pool)
-admits nothing new while another member has waited for memory within the
-last `WANT_SECONDS` (`restrained`): its running requests go on, and their
-chunks pass to the waiting member as they finish, instead of to the backlog
-of the member that held them first.  A chunk changes hands only when no active
+left does its scheduler preempt.  A chunk changes hands only when no active
 slot holds a page of it, so a member never loses the pages its running
 requests hold; its memory is given back on the way (the host's reads as
 zeros, CUDA's is zeroed), so no model reads another's K/V.
@@ -30,7 +25,6 @@ The caches of one pool are driven from one thread at a time (`vattn serve`'s
 step loop does so); the lock keeps the books whole for readers elsewhere.
 """
 import threading
-import time
 import weakref
 from dataclasses import dataclass
 
@@ -41,7 +35,6 @@ from vattn.config import MiB
 __all__ = ["CHUNK_SIZE", "KVPool", "MemberSplit", "PoolMember"]
 
 CHUNK_SIZE = 32 * MiB  # a multiple of CUDA's 2 MiB granularity; a SmolLM2 page (1.4 MiB on the host) fits 22 times
-WANT_SECONDS = 1.0  # how long a member's unmet ask for memory restrains the others (its scheduler asks every step)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +48,8 @@ class MemberSplit:
 
 
 class KVPool:
-    """`memory_budget` bytes (down to whole chunks) of physical KV memory on `device`, the members' caches'."""
+    """`memory_budget` bytes (rounded down to whole chunks) of physical KV
+    memory on `device`, shared by the members' caches."""
 
     def __init__(self, memory_budget: int, device: str = "cpu", chunk_size: int = CHUNK_SIZE):
         self.backend = get_backend(device)
@@ -78,7 +72,8 @@ class KVPool:
     # ------------------------------------------------------------ members and their limits
 
     def add(self, name: str, floor: int = 0, cap: int | None = None) -> "PoolMember":
-        """A new member: `floor` bytes guaranteed (up to whole chunks), at most `cap` (down; None: the budget)."""
+        """A new member: `floor` bytes guaranteed (rounded up to whole chunks),
+        at most `cap` bytes (rounded down; None: the whole budget)."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"a member needs a name (a non-empty str), got {name!r}")
         with self.lock:
@@ -136,7 +131,8 @@ class KVPool:
         return max(0, self.free_chunks - owed)
 
     def _move(self, source: "PoolMember | None", n: int, target: "PoolMember | None") -> int:
-        """Move up to `n` chunks from `source` (None: free) to `target` (None: free), zeroed; how many moved."""
+        """Up to `n` chunks from `source` (None: the free ones) to `target`
+        (None: free), their memory given back on the way.  Returns the chunks moved."""
         with self.lock:
             if source is None:
                 chunks = [c for c, o in enumerate(self.owner) if o is None][:n]
@@ -160,7 +156,8 @@ class KVPool:
             return {name: m.split() for name, m in self.members.items()}
 
     def check(self) -> None:
-        """Assert the books balance: each chunk free or one member's, no member past its cap, the floors within."""
+        """Assert the books balance: every chunk free or held by one member,
+        no member past its cap, the floors within the budget."""
         with self.lock:
             held = {}
             for m in self.members.values():
@@ -176,8 +173,9 @@ class KVPool:
 
 
 class PoolMember:
-    """One model's share of a `KVPool`: the chunks its cache holds (`chunks[k]`: the physical chunk behind
-    its pages k·E..k·E+E-1), its floor and cap (in chunks)."""
+    """One model's share of a `KVPool`: the chunks its cache holds (`chunks[k]`
+    is the physical chunk behind its pages k·E..k·E+E-1), its floor and cap
+    (in chunks)."""
 
     def __init__(self, pool: KVPool, name: str):
         self.pool, self.name = pool, name
@@ -185,12 +183,12 @@ class PoolMember:
         self.chunks: list[int | None] = []
         self.per_chunk = 0  # E: the cache's pages per chunk
         self._table = lambda: None
-        self.wanted = 0.0  # until when its last unmet ask for memory restrains the others
 
     # ------------------------------------------------------------ the cache that draws on it
 
     def bind(self, table, page_bytes: int, page_size: int) -> None:
-        """Become the memory of `table` (a `SlotTable`): pages of `page_size` bytes a buffer, `page_bytes` in all."""
+        """Become the memory of `table` (a `SlotTable`), whose pages take
+        `page_size` bytes in each buffer, `page_bytes` in all."""
         chunk = self.pool.chunk_size
         if self._table() is not None:
             raise ValueError(f"pool member {self.name!r} already has a cache")
@@ -253,19 +251,6 @@ class PoolMember:
         """Chunks it would give another member: reclaimable ones above its floor."""
         return max(0, min(self.reclaimable(), self.held - self.floor))
 
-    def want(self) -> None:
-        """Its scheduler found no memory for a new request."""
-        self.wanted = time.monotonic() + WANT_SECONDS
-
-    def restrained(self) -> bool:
-        """Whether it should admit nothing new: another member waited for memory within `WANT_SECONDS` and
-        this one's running requests hold a fair share (its floor, or an equal part of the pool) already."""
-        now, members = time.monotonic(), self.pool.members.values()
-        if not any(o.wanted > now for o in members if o is not self):
-            return False
-        share = max(self.floor, self.pool.num_chunks // sum(o._table() is not None for o in members))
-        return len(self.busy_chunks()) >= share
-
     def obtainable(self) -> int:
         """Pages it could come to hold now, past those it holds."""
         p = self.pool
@@ -298,8 +283,9 @@ class PoolMember:
             self.pool._move(self, n, None)
 
     def let_go(self, n: int) -> list[int]:
-        """Up to `n` physical chunks no active slot holds, their pages gone from the cache's pool; idle slots'
-        pages are reclaimed (least recently idle first) until enough are wholly free."""
+        """Give up to `n` chunks that no active slot holds, reclaiming idle
+        slots' pages (least recently idle first) until enough are wholly free.
+        Returns the physical chunks, their pages gone from the cache's pool."""
         t, E = self.table, self.per_chunk
         free = self._free_chunks()
         idle = sorted((s.idle_since, i) for i, s in enumerate(t.slots) if not s.active and s.pages)
@@ -323,7 +309,9 @@ class PoolMember:
     def _free_chunks(self) -> list[int]:
         """Its chunks (logical) whose pages are all free."""
         E, free = self.per_chunk, {}
-        for p in self.table.pool.free_pages() if self._table() is not None else []:
+        if self._table() is None:
+            return []
+        for p in self.table.pool.free_pages():
             free[p // E] = free.get(p // E, 0) + 1
         return [k for k, n in free.items() if n == E]
 
