@@ -26,27 +26,29 @@ While a system runs, its `/metrics` are read twice a second: vattn's pool
 bytes per model (held, mapped), vLLM's KV usage (of a third each; vLLM
 reserves its third at start).  Peak PSS is sampled over every process of a
 server, and summed over vLLM's three servers' peaks.  Each server answers
-one short request per model before the timed run.
+one short request per model before the timed run.  The systems take turns
+within each of `rounds` rounds; each figure is its median over the rounds.
 """
 import argparse
 import asyncio
 import json
 import random
+import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-from vattn.bench import e2e
+from vattn.bench import e2e, scrape
+from vattn.bench.report import median_figures
 from vattn.bench.serve import Server
+from vattn.engine.metrics import summary
 from vattn.kv.shared import CHUNK_SIZE as CHUNK  # the pool's: a third of each budget is whole chunks
 from vattn.report import console, machine, print_table, write_json
 
 SYSTEMS = ("shared", "static", "vllm")
 MODELS = ("m0", "m1", "m2")
 BUDGETS = (3 << 30, 1536 << 20, 576 << 20)  # from room to spare at a peak down to tight
-POLL_SECONDS = 0.5
-QUICK = dict(num_requests=12, budgets=[288 << 20], spacing=6.0, max_tokens=16)
+QUICK = dict(num_requests=12, budgets=[288 << 20], spacing=6.0, max_tokens=16, rounds=1)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,16 +59,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=100, help="requests per model")
     p.add_argument("--spacing", type=float, default=40.0, help="seconds between the models' peaks")
     p.add_argument("--max-tokens", type=int, default=64, help="cap on each answer")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, each figure their median")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="systems to run")
     p.add_argument("--quick", action="store_true", help="a smaller run: 12 requests a model, 288MiB, peaks 6 s "
-                                                        "apart, answers ≤ 16 tokens")
+                                                        "apart, answers ≤ 16 tokens, one round")
     p.add_argument("--log-dir", help="where the servers' logs go (default: a temporary folder)")
 
 
 def main(args: argparse.Namespace) -> dict:
     sizes = QUICK if args.quick else {}
     return run(args.json, args.plot, dtype=args.dtype, systems=args.systems, log_dir=args.log_dir,
-               **{k: sizes.get(k, getattr(args, k)) for k in ("num_requests", "budgets", "spacing", "max_tokens")})
+               **{k: sizes.get(k, getattr(args, k)) for k in ("num_requests", "budgets", "spacing", "max_tokens", "rounds")})
 
 
 def workload(tokenizer, num_requests: int, spacing: float, max_tokens: int, seed: int = 0) -> dict[str, list[dict]]:
@@ -91,7 +94,9 @@ def workload(tokenizer, num_requests: int, spacing: float, max_tokens: int, seed
 
 def run(json_path: str | None, plot_dir: str | None = None, dtype: str = "auto", systems=SYSTEMS,
         budgets=BUDGETS, num_requests: int = 100, spacing: float = 40.0, max_tokens: int = 64,
-        log_dir: str | None = None) -> dict:
+        rounds: int = 3, log_dir: str | None = None) -> dict:
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     for budget in budgets:
         if budget % (len(MODELS) * CHUNK):
             raise ValueError(f"each budget must be a multiple of {len(MODELS) * CHUNK >> 20}MiB (a third of it whole "
@@ -103,17 +108,18 @@ def run(json_path: str | None, plot_dir: str | None = None, dtype: str = "auto",
     log = Path(log_dir or tempfile.mkdtemp(prefix="vattn-bench-models-"))
     log.mkdir(parents=True, exist_ok=True)
     console.print(f"models: 3 × smollm2 in {loaded.dtype}, {num_requests} ShareGPT requests each, peaks {spacing:g} s "
-                  f"apart, answers ≤ {max_tokens} tokens, budgets {[f'{b / 2**30:.2f} GiB' for b in budgets]}; "
-                  f"logs in {log}")
+                  f"apart, answers ≤ {max_tokens} tokens, budgets {[f'{b / 2**30:.2f} GiB' for b in budgets]}, "
+                  f"{rounds} round(s); logs in {log}")
     runs = []
-    for budget in budgets:
-        for system in systems:
-            console.print(f"{system}, {budget / 2**30:.2f} GiB")
-            runs.append(_run_one(system, loaded, max_len, budget, reqs, log))
+    for k in range(rounds):
+        for budget in budgets:
+            for system in systems:
+                console.print(f"round {k + 1}/{rounds}: {system}, {budget / 2**30:.2f} GiB")
+                runs.append({"round": k, **_run_one(system, loaded, max_len, budget, reqs, log / f"round{k}")})
     result = {"model": "smollm2", "dtype": loaded.dtype, **machine(), "models": list(MODELS),
               "num_requests_per_model": num_requests, "spacing_s": spacing, "max_tokens": max_tokens,
               "max_model_len": max_len, "budgets": list(budgets), "vllm_binding": "each server: every core",
-              "runs": runs}
+              "rounds": rounds, "medians": medians(runs), "runs": runs}
     result["verdicts"] = verdicts(result)
     _print(result)
     write_json(json_path, result)
@@ -141,17 +147,17 @@ def _start(system: str, where: str, dtype: str, max_len: int, budget: int, log: 
 
 def _run_one(system: str, loaded, max_len: int, budget: int, reqs: dict[str, list[dict]], log: Path) -> dict:
     folder = log / f"{system}_{budget >> 20}MiB"
-    folder.mkdir(exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     servers = _start(system, loaded.where, loaded.dtype, max_len, budget, folder)
     urls = {m: servers[k if system == "vllm" else 0].url for k, m in enumerate(MODELS)}
     try:
         asyncio.run(_drive(urls, {m: [{**r, "arrival": 0.0, "max_tokens": 2} for r in rs[:1]]
                                   for m, rs in reqs.items()}))  # a warm-up request each
-        poller = Poller(system, urls, budget).start()
+        poller = scrape.Poller(system, urls, budget).start()
         start = time.time()
         results = asyncio.run(_drive(urls, reqs))
         poller.stop()
-        preemptions = {m: _preemptions(system, urls[m], m) for m in MODELS}
+        preemptions = {m: scrape.preemptions(system, urls[m], m) for m in MODELS}
         memory = sum(s.peak_memory()["peak_pss_bytes"] for s in servers)
     finally:
         for s in servers:
@@ -207,92 +213,42 @@ async def _send(client, url: str, model: str, req: dict, start: float) -> dict:
 def figures(results: list[dict]) -> dict:
     """TTFT and TPOT (median, p99) in ms, output tok/s, requests completed."""
     done = [r for r in results if r["error"] is None]
-    ttft = sorted(r["ttft"] * 1e3 for r in done)
-    tpot = sorted((r["latency"] - r["ttft"]) * 1e3 / (r["tokens"] - 1) for r in done if r["tokens"] > 1)
+    ttft = summary([r["ttft"] * 1e3 for r in done])
+    tpot = summary([(r["latency"] - r["ttft"]) * 1e3 / (r["tokens"] - 1) for r in done if r["tokens"] > 1])
     span = max((r["sent"] + r["latency"] for r in results), default=0) - min((r["sent"] for r in results), default=0)
     return {"requests": len(results), "completed": len(done),
             "errors": sorted({r["error"] for r in results if r["error"]})[:3],
-            "median_ttft_ms": _pct(ttft, 50), "p99_ttft_ms": _pct(ttft, 99),
-            "median_tpot_ms": _pct(tpot, 50), "p99_tpot_ms": _pct(tpot, 99),
+            "median_ttft_ms": ttft["median"], "p99_ttft_ms": ttft["p99"],
+            "median_tpot_ms": tpot["median"], "p99_tpot_ms": tpot["p99"],
             "output_tok_per_s": sum(r["tokens"] for r in done) / span if span else 0.0}
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    """The q-th percentile (nearest rank) of sorted `values`."""
-    return values[min(len(values) - 1, max(0, round(q / 100 * len(values) + 0.5) - 1))] if values else None
-
-
-class Poller:
-    """Reads the servers' /metrics every `POLL_SECONDS`: (seconds, {model: (held, mapped) bytes})."""
-
-    def __init__(self, system: str, urls: dict[str, str], budget: int):
-        self.system, self.urls, self.third = system, urls, budget // len(MODELS)
-        self.samples: list[tuple[float, dict[str, tuple[float, float]]]] = []
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def start(self) -> "Poller":
-        self._start = time.perf_counter()
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stopping.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        import httpx
-
-        while not self._stopping.wait(POLL_SECONDS):
-            sample = {}
-            for url in sorted(set(self.urls.values())):
-                try:
-                    text = httpx.get(url + "/metrics", timeout=5).text
-                except httpx.HTTPError:
-                    continue
-                sample |= self._read(text, url)
-            self.samples.append((time.perf_counter() - self._start, sample))
-
-    def _read(self, text: str, url: str) -> dict[str, tuple[float, float]]:
-        if self.system == "vllm":
-            model = next(m for m, u in self.urls.items() if u == url)
-            used = _metric(text, "vllm:kv_cache_usage_perc") or 0.0
-            return {model: (float(self.third), used * self.third)}
-        return {m: (_metric(text, "vattn:kv_pool_model_bytes", kind="held", model_name=m) or 0.0,
-                    _metric(text, "vattn:kv_pool_model_bytes", kind="mapped", model_name=m) or 0.0)
-                for m in MODELS}
-
-
-def _metric(text: str, name: str, **labels: str) -> float | None:
-    """The value of the first series of `name` with `labels`."""
-    for line in text.splitlines():
-        series, _, value = line.rpartition(" ")
-        if series.split("{")[0] == name and all(f'{k}="{v}"' in series for k, v in labels.items()):
-            return float(value)
-    return None
-
-
-def _preemptions(system: str, url: str, model: str) -> float:
-    import httpx
-
-    text = httpx.get(url + "/metrics", timeout=5).text
-    if system == "vllm":
-        return _metric(text, "vllm:num_preemptions_total") or 0.0
-    return _metric(text, "vattn:num_preemptions_total", model_name=model) or 0.0
+def medians(runs: list[dict]) -> list[dict]:
+    """Each system's figures at each budget, their medians over the rounds."""
+    out = []
+    for key in dict.fromkeys((r["system"], r["budget"]) for r in runs):
+        mine = [r for r in runs if (r["system"], r["budget"]) == key]
+        out.append({"system": key[0], "budget": key[1], "overall": median_figures([r["overall"] for r in mine]),
+                    "per_model": {m: median_figures([r["per_model"][m] for r in mine]) for m in MODELS},
+                    "preemptions": median_figures([r["preemptions"] for r in mine]),
+                    "peak_pss_bytes": statistics.median(r["peak_pss_bytes"] for r in mine),
+                    "p99_ttft_ms_rounds": [r["overall"]["p99_ttft_ms"] for r in mine]})
+    return out
 
 
 def verdicts(result: dict) -> list[dict]:
-    """The targets, each with its figures and whether it is met; the ratios against vLLM are reported, not
-    targets."""
+    """The targets, each with its figures and whether it is met: every round's requests and KV, the medians'
+    TTFT; the ratios against vLLM are reported, not targets."""
     out = []
-    by = {(r["system"], r["budget"]): r for r in result["runs"]}
+    by = {(r["system"], r["budget"]): r for r in result["medians"]}
     for r in result["runs"]:
-        out.append({"target": f"{r['system']}, {r['budget'] >> 20}MiB: every request completed",
+        run = f"{r['system']}, {r['budget'] >> 20}MiB, round {r['round'] + 1}"
+        out.append({"target": f"{run}: every request completed",
                     "value": r["overall"]["completed"], "bound": r["overall"]["requests"], "at_least": True,
                     "met": r["overall"]["completed"] == r["overall"]["requests"]})
         if r["system"] != "vllm":
             most = max((sum(held for held, _ in s.values()) for _, s in r["kv_over_time"]), default=0)
-            out.append({"target": f"{r['system']}, {r['budget'] >> 20}MiB: KV held never above the budget",
+            out.append({"target": f"{run}: KV held never above the budget",
                         "value": most, "bound": r["budget"], "at_least": False, "met": most <= r["budget"]})
     tight = min(result["budgets"])
     if ("shared", tight) in by and ("static", tight) in by:
@@ -304,7 +260,7 @@ def verdicts(result: dict) -> list[dict]:
 
 def ratios(result: dict) -> list[list]:
     """vLLM's p99 and median TTFT over vattn shared's, at each budget."""
-    by = {(r["system"], r["budget"]): r["overall"] for r in result["runs"]}
+    by = {(r["system"], r["budget"]): r["overall"] for r in result["medians"]}
     return [[f"{b >> 20}MiB", f"{by[('vllm', b)]['p99_ttft_ms'] / by[('shared', b)]['p99_ttft_ms']:.2f}",
              f"{by[('vllm', b)]['median_ttft_ms'] / by[('shared', b)]['median_ttft_ms']:.2f}"]
             for b in result["budgets"] if ("vllm", b) in by and ("shared", b) in by]
@@ -313,17 +269,19 @@ def ratios(result: dict) -> list[list]:
 def _print(result: dict) -> None:
     ms = lambda v: "-" if v is None else f"{v:,.0f}"  # noqa: E731
     rows = []
-    for r in result["runs"]:
+    for r in result["medians"]:
         for who, f in [("all", r["overall"]), *r["per_model"].items()]:
             rows.append([r["system"], f"{r['budget'] >> 20}", who, f"{f['completed']}/{f['requests']}",
                          ms(f["median_ttft_ms"]), ms(f["p99_ttft_ms"]), ms(f["median_tpot_ms"]), ms(f["p99_tpot_ms"]),
                          f"{f['output_tok_per_s']:.1f}",
                          f"{sum(r['preemptions'].values()) if who == 'all' else r['preemptions'][who]:.0f}",
-                         f"{r['peak_pss_bytes'] / 2**30:.2f}" if who == "all" else ""])
+                         f"{r['peak_pss_bytes'] / 2**30:.2f}" if who == "all" else "",
+                         " / ".join(map(ms, r["p99_ttft_ms_rounds"])) if who == "all" else ""])
     print_table(f"three models, staggered peaks: {result['num_requests_per_model']} ShareGPT requests each, "
-                f"{result['model']} {result['dtype']}, answers ≤ {result['max_tokens']} tokens; {result['cpu']}",
+                f"{result['model']} {result['dtype']}, answers ≤ {result['max_tokens']} tokens; medians of "
+                f"{result['rounds']} round(s); {result['cpu']}",
                 ["system", "budget MiB", "model", "done", "TTFT ms med", "TTFT p99", "TPOT ms med", "TPOT p99",
-                 "out tok/s", "preempted", "peak PSS GiB"], rows)
+                 "out tok/s", "preempted", "peak PSS GiB", "TTFT p99 by round"], rows)
     if table := ratios(result):
         print_table("vLLM (one server a model) over vattn shared", ["budget", "p99 TTFT", "median TTFT"], table)
     for v in result["verdicts"]:
@@ -337,7 +295,7 @@ def _plot(result: dict, folder: Path) -> None:
     for budget in result["budgets"]:
         series = {}
         for r in result["runs"]:
-            if r["budget"] != budget:
+            if r["budget"] != budget or r["round"]:
                 continue
             t = [s[0] for s in r["kv_over_time"]]
             series[f"{r['system']}: all"] = (t, [sum(m for _, m in s[1].values()) / 2**20 for s in r["kv_over_time"]])
@@ -346,5 +304,5 @@ def _plot(result: dict, folder: Path) -> None:
                     series[f"shared: {m}"] = (t, [s[1].get(m, (0, 0))[1] / 2**20 for s in r["kv_over_time"]])
         end = max((x[-1] for x, _ in series.values() if x), default=1.0)
         series["budget"] = ([0.0, end], [budget / 2**20] * 2)
-        line_chart(folder / f"models_{budget >> 20}MiB.png", f"KV in use over time, {budget >> 20} MiB in all",
+        line_chart(folder / f"models_{budget >> 20}MiB.png", f"KV in use over time, {budget >> 20} MiB in all (round 1)",
                    "seconds", "MiB", series, dashed={"budget"})
