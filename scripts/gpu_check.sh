@@ -15,9 +15,13 @@ export PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-160}
 LOG=${OUT:+$OUT/gpu_check.log}
 LOG=${LOG:-/dev/null}
 
-# pip with the environment's own setuptools; where that cannot build the extension (no setuptools,
-# or one too old for pyproject's ext-modules), compile it in place and put the tree on the path
-timeout 120 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$LOG" 2>&1
+# pip with the environment's own setuptools, unless this tree's vattn imports already with its native
+# build newer than every native source; where pip cannot build the extension (no setuptools, or one too
+# old for pyproject's ext-modules), compile it in place and put the tree on the path
+if ! { $PY -c "import sys, vattn._native as n; sys.exit(not n.__file__.startswith('$PWD/vattn/'))" 2>/dev/null &&
+       [ -z "$(find native -newer "$($PY -c 'import vattn._native as n; print(n.__file__)')")" ]; }; then
+    timeout 120 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$LOG" 2>&1
+fi
 if ! $PY -c "import vattn._native" 2>/dev/null; then
     echo "building vattn._native in place" | tee -a "$LOG"
     INCLUDE=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")

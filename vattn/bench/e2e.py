@@ -137,9 +137,10 @@ def load(model_name: str, dtype: str) -> Loaded:
 
 
 class Worker:
-    """One system's serving process (the protocol of `serve_worker.py`)."""
+    """One system's serving process (the protocol of `serve_worker.py`), ready when the constructor
+    returns, or, with `wait=False`, once `wait_ready` does: workers started together load at once."""
 
-    def __init__(self, system: str, options: dict, log: Path, model: str, dtype: str):
+    def __init__(self, system: str, options: dict, log: Path, model: str, dtype: str, wait: bool = True):
         """`model`: a checkpoint's directory, loaded by every system in `dtype` (a torch dtype's name)."""
         self.system, self.options = system, options
         self._dir = tempfile.TemporaryDirectory(prefix="vattn-e2e-")
@@ -154,11 +155,16 @@ class Worker:
             self._proc = subprocess.Popen([sys.executable, "-m", "vattn.bench.serve_worker", system, str(path)],
                                           env=allocator.preloaded(dict(os.environ)), **pipes)
         self._pss = PeakPss(self._proc.pid).start()  # model loading included
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> "Worker":
         try:
             self.ran = self._answer("ready")
         except BaseException:
             self.close()
             raise
+        return self
 
     def serve(self, reqs: list[dict], due: list[float]) -> dict:
         out = Path(self._dir.name) / "round.json"
@@ -238,8 +244,9 @@ def run(json_path: str | None, plot_dir: str | None, workload: str = "sharegpt",
             for options in settings(system, budget, cache, engine.max_seq_len):
                 name = system if system != "hf_static" else f"hf_static_b{options['batch_size']}"
                 console.print(f"starting {name}")
-                workers[name] = Worker(system, options, log / f"{name}.log", where, served)
-                workers[name].serve(reqs[:4], [0.0] * min(4, len(reqs)))  # warm-up, not timed
+                workers[name] = Worker(system, options, log / f"{name}.log", where, served, wait=False)
+        for w in workers.values():
+            w.wait_ready().serve(reqs[:4], [0.0] * min(4, len(reqs)))  # warm-up, not timed
         for name, w in workers.items():  # the memory round, not timed; the timed rounds run unobserved
             console.print(f"memory round: {name}")
             w.serve(reqs, arrivals(len(reqs), rates[0], burstiness))

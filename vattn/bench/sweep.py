@@ -38,8 +38,9 @@ def run(json_path: str | None, limits: dict[str, list], workload: str = "sharegp
         for point in grid:
             name = "_".join(str(v) for v in point.values())
             workers.append(e2e.Worker("vattn", {"memory_budget": budget} | point, log / f"vattn_{name}.log",
-                                      str(model_dir()), served))
-            workers[-1].serve(reqs[:4], [0.0] * min(4, len(reqs)))  # warm-up, not timed
+                                      str(model_dir()), served, wait=False))
+        for w in workers:
+            w.wait_ready().serve(reqs[:4], [0.0] * min(4, len(reqs)))  # warm-up, not timed
         for k in range(rounds):
             for i in [*range(k % len(grid), len(grid)), *range(k % len(grid))]:
                 console.print(f"round {k + 1}/{rounds}: " + ", ".join(f"{n}={v}" for n, v in grid[i].items()))
