@@ -60,8 +60,9 @@ def test_each_figure_is_its_median_over_the_rounds():
 def test_a_short_run_measures_the_shared_pool_against_static_thirds(tmp_path):
     path = tmp_path / "models.json"
     out = subprocess.run([sys.executable, "-m", "vattn", "bench", "models", "--systems", "shared", "static",
-                          "--budgets", "288MiB", "--num-requests", "8", "--spacing", "3", "--max-tokens", "8", "--rounds", "1",
-                          "--log-dir", str(tmp_path / "logs"), "--json", str(path), "--plot", str(tmp_path / "plots")],
+                          "--budgets", "288MiB", "--num-requests", "8", "--spacing", "3", "--max-tokens", "8",
+                          "--rounds", "1", "--log-dir", str(tmp_path / "logs"), "--json", str(path),
+                          "--plot", str(tmp_path / "plots")],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "three models, staggered peaks: 8 ShareGPT requests each" in out.stdout

@@ -72,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> dict:
     sizes = QUICK if args.quick else {}
     return run(args.json, args.plot, dtype=args.dtype, systems=args.systems, log_dir=args.log_dir,
-               **{k: sizes.get(k, getattr(args, k)) for k in ("num_requests", "budgets", "spacing", "max_tokens", "rounds")})
+               **{k: sizes.get(k, getattr(args, k))
+                  for k in ("num_requests", "budgets", "spacing", "max_tokens", "rounds")})
 
 
 def workload(tokenizer, num_requests: int, spacing: float, max_tokens: int, seed: int = 0) -> dict[str, list[dict]]:
@@ -307,5 +308,6 @@ def _plot(result: dict, folder: Path) -> None:
                     series[f"shared: {m}"] = (t, [s[1].get(m, (0, 0))[1] / 2**20 for s in r["kv_over_time"]])
         end = max((x[-1] for x, _ in series.values() if x), default=1.0)
         series["budget"] = ([0.0, end], [budget / 2**20] * 2)
-        line_chart(folder / f"models_{budget >> 20}MiB.png", f"KV in use over time, {budget >> 20} MiB in all (round 1)",
-                   "seconds", "MiB", series, dashed={"budget"})
+        line_chart(folder / f"models_{budget >> 20}MiB.png",
+                   f"KV in use over time, {budget >> 20} MiB in all (round 1)", "seconds", "MiB", series,
+                   dashed={"budget"})
