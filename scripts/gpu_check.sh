@@ -18,8 +18,8 @@ LOG=${LOG:-/dev/null}
 # pip with the environment's own setuptools, unless this tree's vattn imports already with its native
 # build newer than every native source; where pip cannot build the extension (no setuptools, or one too
 # old for pyproject's ext-modules), compile it in place and put the tree on the path
-if ! { $PY -c "import sys, vattn._native as n; sys.exit(not n.__file__.startswith('$PWD/vattn/'))" 2>/dev/null &&
-       [ -z "$(find native -newer "$($PY -c 'import vattn._native as n; print(n.__file__)')")" ]; }; then
+NATIVE=$($PY -c "import vattn._native as n; print(n.__file__)" 2>/dev/null)
+if [[ "$NATIVE" != "$PWD/vattn/"* || -n "$(find native -newer "$NATIVE")" ]]; then
     timeout 120 $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >>"$LOG" 2>&1
 fi
 if ! $PY -c "import vattn._native" 2>/dev/null; then
