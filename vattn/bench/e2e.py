@@ -46,6 +46,7 @@ import torch
 
 from vattn import allocator
 from vattn.bench import flops, peers
+from vattn.bench.processes import wait_or_kill
 from vattn.bench.pss import PeakPss, tree_peak_rss_bytes
 from vattn.bench.report import median_figures
 from vattn.engine.metrics import latency_report
@@ -196,10 +197,7 @@ class Worker:
     def close(self) -> None:
         self._pss.stop()
         self._proc.stdin.close()
-        try:
-            self._proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
+        wait_or_kill(self._proc)
         self._log.close()
         self._dir.cleanup()
 

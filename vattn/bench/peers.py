@@ -13,6 +13,10 @@ HERE = Path(__file__).parent
 HOW = "the vLLM peer needs its environment: run `make peers` (or set VATTN_VLLM_PYTHON)"
 # vLLM binds its compute threads to one core and reserves another by default; give it every core
 ALL_CORES = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+# vLLM 0.32's AOT compile cache fails to load under torch 2.10+ ("'function' object has no attribute
+# 'finalize_loading'"), so every start compiled again (~35 s); its Inductor cache loads.  Start-up only:
+# the compiled graphs are the same.
+COMPILE_CACHE = {"VLLM_USE_AOT_COMPILE": "0"}
 
 
 # what vLLM's CPU docs advise preloading for speed: tcmalloc (Debian's libtcmalloc-minimal4) and
@@ -43,6 +47,6 @@ def popen(argv: list[str], **kwargs) -> subprocess.Popen:
     python = vllm_python()
     if python is None:
         raise RuntimeError(HOW)
-    env = os.environ | ALL_CORES | {"PYTHONPATH": "", "LD_PRELOAD": ":".join(preload(python))}
+    env = os.environ | ALL_CORES | COMPILE_CACHE | {"PYTHONPATH": "", "LD_PRELOAD": ":".join(preload(python))}
     # -P: this folder must not shadow the peer's packages (transformers imports a package named `kernels`)
     return subprocess.Popen([str(python), "-P", *argv], env=env, **kwargs)

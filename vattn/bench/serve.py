@@ -37,6 +37,8 @@ from pathlib import Path
 
 from vattn import allocator
 from vattn.bench import e2e, peers
+from vattn.bench.load_generator import LoadGenerator
+from vattn.bench.processes import wait_or_kill
 from vattn.bench.pss import PeakPss, tree_peak_rss_bytes
 from vattn.bench.report import median_figures
 from vattn.report import console, machine, print_table, write_json
@@ -45,9 +47,7 @@ SYSTEMS = ("vllm", "vattn")  # in the order they run: vLLM's saturated rate sets
 LOADS = ("saturated", "busy", "calm")  # the rates: inf, then two Poisson rates
 BUSY, CALM = 0.8, 0.5  # the Poisson rates, as fractions of the saturated request throughput
 READY_TIMEOUT = 900.0  # seconds a server may take to load and compile
-# what `vllm bench serve` reports per request; the figures are the rest
-PER_REQUEST = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times", "queue_times",
-               "generated_texts", "errors")
+
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -161,11 +161,7 @@ class Server:
         """SIGTERM; a server that has not exited a minute later is killed."""
         self._pss.stop()
         self._proc.terminate()
-        try:
-            self._proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        wait_or_kill(self._proc)
         self._log.close()
 
 
@@ -173,41 +169,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-class LoadGenerator:
-    """`vllm bench serve` against one server, one round at a time, over the dataset's chunks (files)."""
-
-    def __init__(self, chunks: list[Path], expected: list[list[int]], name: str, tokenizer: str, work: Path,
-                 log: Path):
-        self.chunks, self.expected, self.name, self.tokenizer = chunks, expected, name, tokenizer
-        self.work, self.log = work, log
-
-    def round(self, server: Server, chunk: int, rate: float) -> dict:
-        """Sends chunk `chunk` at `rate` requests/s (inf: all at once) and returns what `vllm bench serve`
-        measured, once every request is answered in full."""
-        n = len(self.expected[chunk])
-        out = f"{server.system}_{chunk}.json"
-        argv = ["--backend", "openai", "--base-url", server.url, "--endpoint", "/v1/completions",
-                "--model", self.name, "--served-model-name", self.name, "--tokenizer", self.tokenizer,
-                "--dataset-name", "sharegpt", "--dataset-path", str(self.chunks[chunk]), "--disable-shuffle",
-                "--num-prompts", str(n), "--request-rate", str(rate), "--burstiness", "1", "--seed", "0",
-                "--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
-                "--metric-percentiles", "50,99", "--save-result", "--save-detailed", "--result-dir", str(self.work),
-                "--result-filename", out, "--disable-tqdm"]
-        with open(self.log, "a") as log:
-            log.write(f"\n== {server.system}, chunk {chunk}, rate {rate}\n")
-            log.flush()
-            code = peers.popen([str(peers.script("vllm_bench_serve")), *argv], stdout=log,
-                               stderr=subprocess.STDOUT).wait()
-        if code:
-            raise RuntimeError(f"vllm bench serve stopped (exit code {code}); its log: {self.log}")
-        result = json.loads((self.work / out).read_text())
-        if result["completed"] != n or result["output_lens"] != self.expected[chunk]:
-            errors = sorted({e for e in result["errors"] if e})
-            raise RuntimeError(f"{server.system}: {result['completed']} of {n} requests answered in full at rate "
-                               f"{rate}; errors: {errors[:3]}")
-        return {k: v for k, v in result.items() if k not in PER_REQUEST and isinstance(v, (int, float))}
 
 
 def run(json_path: str | None, model_name: str = "smollm2", dtype: str = "auto", num_prompts: int = 200,
@@ -231,26 +192,18 @@ def run(json_path: str | None, model_name: str = "smollm2", dtype: str = "auto",
                         log / "vllm_bench_serve.log")
     console.print(f"serve: {model_name} in {loaded.dtype}, rounds of {num_prompts} ShareGPT requests, answers ≤ "
                   f"{max_tokens} tokens, KV budget {budget / 2**30:.2f} GiB, context {max_len}; logs in {log}")
-    rows, memory, saturated = [], {}, None
-    for system in systems:
-        console.print(f"starting {system}'s server")
-        server = Server(system, loaded.where, name, loaded.dtype, max_len, budget, log / f"{system}.log")
-        try:
-            console.print(f"{system}: memory round")
-            gen.round(server, 0, float("inf"))
-            server.stop_sampling()
-            for i, load in enumerate(LOADS):
-                rate = _rate(load, rates, saturated)
-                measured = []
-                for k in range(rounds):
-                    console.print(f"{system}: rate {e2e.rate_label(rate)}, round {k + 1}/{rounds}")
-                    measured.append(gen.round(server, 1 + i * rounds + k, rate))
-                rows.append({"system": system, "load": load, "request_rate": e2e.rate_label(rate),
-                             "figures": median_figures(measured), "rounds": measured})
-                saturated = saturated or rows[-1]["figures"]["request_throughput"]
-            memory[system] = server.peak_memory()
-        finally:
-            server.close()
+    rows, memory = [], {}
+    try:
+        for system in systems:
+            console.print(f"starting {system}'s server")
+            server = Server(system, loaded.where, name, loaded.dtype, max_len, budget, log / f"{system}.log")
+            try:
+                rows += _loads(server, gen, rounds, rates, rows[0]["figures"]["request_throughput"] if rows else None)
+                memory[system] = server.peak_memory()
+            finally:
+                server.close()
+    finally:
+        gen.close()
     in_process = _in_process(loaded, budget, reqs[:1 + rounds], log)
     result = {"model": model_name, "dtype": loaded.dtype, **machine(), "num_prompts": num_prompts,
               "max_tokens": max_tokens, "rounds_per_figure": rounds, "kv_budget_bytes": budget, "max_model_len": max_len,
@@ -259,6 +212,27 @@ def run(json_path: str | None, model_name: str = "smollm2", dtype: str = "auto",
     _print(result)
     write_json(json_path, result)
     return result
+
+
+def _loads(server: Server, gen: LoadGenerator, rounds: int, rates: list[float] | None,
+           saturated: float | None) -> list[dict]:
+    """The memory round (after which the server's memory is no longer sampled), then `rounds` rounds of each
+    load: a row for each.  `saturated`: the request throughput the Poisson rates are fractions of (None: this
+    server's own, at rate inf)."""
+    console.print(f"{server.system}: memory round")
+    gen.round(server, 0, float("inf"))
+    server.stop_sampling()
+    rows = []
+    for i, load in enumerate(LOADS):
+        rate = _rate(load, rates, saturated)
+        measured = []
+        for k in range(rounds):
+            console.print(f"{server.system}: rate {e2e.rate_label(rate)}, round {k + 1}/{rounds}")
+            measured.append(gen.round(server, 1 + i * rounds + k, rate))
+        rows.append({"system": server.system, "load": load, "request_rate": e2e.rate_label(rate),
+                     "figures": median_figures(measured), "rounds": measured})
+        saturated = saturated or rows[-1]["figures"]["request_throughput"]
+    return rows
 
 
 def _rate(load: str, given: list[float] | None, saturated: float | None) -> float:
