@@ -60,19 +60,19 @@ def test_each_figure_is_its_median_over_the_rounds():
 def test_a_short_run_measures_the_shared_pool_against_static_thirds(tmp_path):
     path = tmp_path / "models.json"
     out = subprocess.run([sys.executable, "-m", "vattn", "bench", "models", "--systems", "shared", "static",
-                          "--budgets", "288MiB", "--num-requests", "8", "--spacing", "3", "--max-tokens", "8",
+                          "--budgets", "288MiB", "--num-requests", "6", "--spacing", "2", "--max-tokens", "8",
                           "--rounds", "1", "--log-dir", str(tmp_path / "logs"), "--json", str(path),
                           "--plot", str(tmp_path / "plots")],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "three models, staggered peaks: 8 ShareGPT requests each" in out.stdout
+    assert "three models, staggered peaks: 6 ShareGPT requests each" in out.stdout
     result = json.loads(path.read_text())
     assert [(r["system"], r["budget"]) for r in result["runs"]] == [("shared", 288 << 20), ("static", 288 << 20)]
     assert [(r["system"], r["overall"]) for r in result["medians"]] == [(r["system"], r["overall"])
                                                                         for r in result["runs"]]  # one round
     for r in result["runs"]:
-        assert r["overall"]["completed"] == r["overall"]["requests"] == 24, r["overall"]["errors"]
-        assert all(f["completed"] == 8 for f in r["per_model"].values())
+        assert r["overall"]["completed"] == r["overall"]["requests"] == 18, r["overall"]["errors"]
+        assert all(f["completed"] == 6 for f in r["per_model"].values())
         assert 0 < r["overall"]["median_ttft_ms"] <= r["overall"]["p99_ttft_ms"]
         assert r["overall"]["output_tok_per_s"] > 0 and r["peak_pss_bytes"] > 100 << 20
         held = [sum(h for h, _ in s.values()) for _, s in r["kv_over_time"]]

@@ -64,3 +64,32 @@ def test_a_short_run_measures_the_server_against_the_engine(tmp_path):
     # every request of every round went to the server as vllm bench serve read it from the file
     files = sorted((tmp_path / "logs").glob("sharegpt_*.json"))
     assert len(files) == 4 and all(len(json.loads(f.read_text())) == 16 for f in files)
+
+
+def test_failed_rounds_say_why_and_the_load_generator_runs_the_next(tokenizer, tmp_path):
+    """The load generator's one process outlives a failed round: against a port nobody listens on, no request
+    is answered; with its dataset file missing, `vllm bench serve` itself fails."""
+    from types import SimpleNamespace
+
+    from vattn.bench.load_generator import LoadGenerator
+    from vattn.models import model_dir
+
+    assert peers.vllm_python() is not None, peers.HOW
+    chunks = serve.dataset(tokenizer, 2, 4, 1)
+    path = tmp_path / "sharegpt_0.json"
+    path.write_text(json.dumps(chunks[0]))
+    expected = [[r["max_tokens"] for r in serve.requests(tokenizer, chunks[0])]] * 2
+    nobody = SimpleNamespace(system="nobody", url=f"http://127.0.0.1:{serve._free_port()}")
+    gen = LoadGenerator([path, tmp_path / "missing.json"], expected, "smollm2", str(model_dir("smollm2")), tmp_path,
+                        tmp_path / "gen.log")
+    try:
+        with pytest.raises(RuntimeError, match=r"nobody: 0 of 2 requests answered in full at rate inf; errors: "
+                                               r"\[.*Cannot connect to host"):
+            gen.round(nobody, 0, float("inf"))
+        with pytest.raises(RuntimeError, match=r"vllm bench serve failed: .*missing.json.*; its log: .*gen.log"):
+            gen.round(nobody, 1, float("inf"))
+        with pytest.raises(RuntimeError, match="0 of 2 requests answered"):  # the process still takes rounds
+            gen.round(nobody, 0, float("inf"))
+    finally:
+        gen.close()
+    assert gen._proc.returncode == 0 and "== nobody, chunk 1" in (tmp_path / "gen.log").read_text()

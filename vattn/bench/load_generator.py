@@ -48,7 +48,7 @@ class LoadGenerator:
             raise RuntimeError(f"vllm bench serve failed: {answer['error']}; its log: {self.log}")
         result = json.loads((self.work / out).read_text())
         if result["completed"] != n or result["output_lens"] != self.expected[chunk]:
-            errors = sorted({e for e in result["errors"] if e})
+            errors = sorted({e.strip().splitlines()[-1] for e in result["errors"] if e.strip()})  # tracebacks' last lines
             raise RuntimeError(f"{server.system}: {result['completed']} of {n} requests answered in full at rate "
                                f"{rate}; errors: {errors[:3]}")
         return {k: v for k, v in result.items() if k not in PER_REQUEST and isinstance(v, (int, float))}
