@@ -13,9 +13,9 @@ HERE = Path(__file__).parent
 HOW = "the vLLM peer needs its environment: run `make peers` (or set VATTN_VLLM_PYTHON)"
 # vLLM binds its compute threads to one core and reserves another by default; give it every core
 ALL_CORES = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-# vLLM 0.32's AOT compile cache fails to load under torch 2.10+ ("'function' object has no attribute
-# 'finalize_loading'"), so every start compiled again (~35 s); its Inductor cache loads.  Start-up only:
-# the compiled graphs are the same.
+# vLLM 0.32's AOT compile cache fails to load under torch 2.13 ("'function' object has no attribute
+# 'finalize_loading'"), so every start compiled again (SmolLM2: 74 s to start rather than 46); its Inductor
+# cache loads.  Start-up only: the compiled graph is the same.
 COMPILE_CACHE = {"VLLM_USE_AOT_COMPILE": "0"}
 
 

@@ -49,7 +49,6 @@ BUSY, CALM = 0.8, 0.5  # the Poisson rates, as fractions of the saturated reques
 READY_TIMEOUT = 900.0  # seconds a server may take to load and compile
 
 
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from vattn.models import BUILT_IN
 
