@@ -20,8 +20,7 @@ class LoadGenerator:
     def __init__(self, chunks: list[Path], expected: list[list[int]], name: str, tokenizer: str, work: Path,
                  log: Path):
         self.chunks, self.expected, self.name, self.tokenizer = chunks, expected, name, tokenizer
-        self.work, self.log = work, log
-        self._log = open(log, "a")
+        self.work, self._log = work, open(log, "a")
         self._proc = peers.popen([str(peers.script("vllm_bench_serve"))], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, stderr=self._log, text=True)
 
@@ -43,12 +42,12 @@ class LoadGenerator:
         self._proc.stdin.flush()
         answer = self._proc.stdout.readline()
         if not answer:
-            raise RuntimeError(f"vllm bench serve stopped (exit code {self._proc.wait()}); its log: {self.log}")
+            raise RuntimeError(f"vllm bench serve stopped (exit code {self._proc.wait()}); its log: {self._log.name}")
         if "error" in (answer := json.loads(answer)):
-            raise RuntimeError(f"vllm bench serve failed: {answer['error']}; its log: {self.log}")
+            raise RuntimeError(f"vllm bench serve failed: {answer['error']}; its log: {self._log.name}")
         result = json.loads((self.work / out).read_text())
         if result["completed"] != n or result["output_lens"] != self.expected[chunk]:
-            errors = sorted({e.strip().splitlines()[-1] for e in result["errors"] if e.strip()})  # tracebacks' last lines
+            errors = sorted({e.strip().splitlines()[-1] for e in result["errors"] if e.strip()})  # last lines
             raise RuntimeError(f"{server.system}: {result['completed']} of {n} requests answered in full at rate "
                                f"{rate}; errors: {errors[:3]}")
         return {k: v for k, v in result.items() if k not in PER_REQUEST and isinstance(v, (int, float))}
