@@ -42,6 +42,8 @@ def test_a_short_run_measures_the_server_against_the_engine(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "through the server: 16 ShareGPT requests a round" in out.stdout
+    said = out.stdout.splitlines()  # the engine in process serves a saturated round's requests in its turn
+    assert said.index("vattn in process: round 1/1") == said.index("vattn: rate inf, round 1/1") + 1
     result = json.loads(path.read_text())
     rows = {r["load"]: r for r in result["rows"]}
     assert list(rows) == ["saturated", "busy", "calm"] and {r["system"] for r in rows.values()} == {"vattn"}

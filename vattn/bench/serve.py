@@ -3,7 +3,7 @@ HTTP by vLLM's own load generator, `vllm bench serve` (the peer environment's:
 `peers.py`, script `vllm_bench_serve.py`), and `vattn serve` against the
 engine it serves, in process.
 
-The servers run one after the other, each in the same settings: the model
+The servers start one after the other, each in the same settings: the model
 (a built-in one) in one dtype, both cores, the same KV memory in bytes
 (`e2e.default_budget`) and context length, every other setting at its
 default (vLLM's: torch.compile, prefix caching; vattn's likewise).  The load
@@ -14,15 +14,21 @@ run): `BUSY` × R, about the most either server would be offered, and `CALM`
 × R, where vLLM's median TTFT is well under a second.  Each round (of a rate,
 a memory round and a warm-up) sends requests no other round sends, so no
 round meets a prefix cached by another.  Each figure is the median of
-`rounds` rounds; every figure `vllm bench serve` reports is kept.
+`rounds` rounds; every figure `vllm bench serve` reports is kept.  The
+servers take the timed rounds in turns (each round's requests go to every
+server, one after another, before the next round's), so a drift in the
+machine's speed over the run (as much as 20% within an hour on a 2-core
+virtual machine) meets every server alike.
 
 Memory: the peak PSS of a server and every process it started, summed
 (`pss.PeakPss`), from its start through its memory round (the first chunk of
-requests, all at once, not timed); the timed rounds run unobserved.
+requests, all at once, not timed, while any other server idles); the timed
+rounds run unobserved.
 
 The in-process engine (`e2e.Worker`, system `vattn`) serves the requests of
 the saturated rounds as `vllm bench serve` reads them from the file (prompt
-ids, answer lengths), all at once, after a warm-up on the memory round's.
+ids, answer lengths), all at once, after a warm-up on the memory round's,
+each in the turn of the servers' round of the same requests.
 """
 import argparse
 import json
@@ -43,7 +49,7 @@ from vattn.bench.pss import PeakPss, tree_peak_rss_bytes
 from vattn.bench.report import median_figures
 from vattn.report import console, machine, print_table, write_json
 
-SYSTEMS = ("vllm", "vattn")  # in the order they run: vLLM's saturated rate sets the Poisson rates
+SYSTEMS = ("vllm", "vattn")  # in the order they start and take turns: vLLM's saturated rate sets the Poisson rates
 LOADS = ("saturated", "busy", "calm")  # the rates: inf, then two Poisson rates
 BUSY, CALM = 0.8, 0.5  # the Poisson rates, as fractions of the saturated request throughput
 READY_TIMEOUT = 900.0  # seconds a server may take to load and compile
@@ -191,19 +197,22 @@ def run(json_path: str | None, model_name: str = "smollm2", dtype: str = "auto",
                         log / "vllm_bench_serve.log")
     console.print(f"serve: {model_name} in {loaded.dtype}, rounds of {num_prompts} ShareGPT requests, answers ≤ "
                   f"{max_tokens} tokens, KV budget {budget / 2**30:.2f} GiB, context {max_len}; logs in {log}")
-    rows, memory = [], {}
+    servers, memory, engine = {}, {}, None
     try:
         for system in systems:
             console.print(f"starting {system}'s server")
-            server = Server(system, loaded.where, name, loaded.dtype, max_len, budget, log / f"{system}.log")
-            try:
-                rows += _loads(server, gen, rounds, rates, rows[0]["figures"]["request_throughput"] if rows else None)
-                memory[system] = server.peak_memory()
-            finally:
-                server.close()
+            servers[system] = Server(system, loaded.where, name, loaded.dtype, max_len, budget, log / f"{system}.log")
+            console.print(f"{system}: memory round")
+            gen.round(servers[system], 0, float("inf"))
+            servers[system].stop_sampling()
+        if "vattn" in servers:
+            engine = _InProcess(loaded, budget, reqs, log)
+        rows, in_process = _loads(servers, gen, engine, rounds, rates)
+        memory = {system: server.peak_memory() for system, server in servers.items()}
     finally:
-        gen.close()
-    in_process = _in_process(loaded, budget, reqs[:1 + rounds], log)
+        for closing in (engine, *servers.values(), gen):
+            if closing is not None:
+                closing.close()
     result = {"model": model_name, "dtype": loaded.dtype, **machine(), "num_prompts": num_prompts,
               "max_tokens": max_tokens, "rounds_per_figure": rounds, "kv_budget_bytes": budget, "max_model_len": max_len,
               "rows": rows, "memory": memory, "in_process": in_process}
@@ -213,25 +222,29 @@ def run(json_path: str | None, model_name: str = "smollm2", dtype: str = "auto",
     return result
 
 
-def _loads(server: Server, gen: LoadGenerator, rounds: int, rates: list[float] | None,
-           saturated: float | None) -> list[dict]:
-    """The memory round (after which the server's memory is no longer sampled), then `rounds` rounds of each
-    load: a row for each.  `saturated`: the request throughput the Poisson rates are fractions of (None: this
-    server's own, at rate inf)."""
-    console.print(f"{server.system}: memory round")
-    gen.round(server, 0, float("inf"))
-    server.stop_sampling()
-    rows = []
+def _loads(servers: dict, gen: LoadGenerator, engine: "_InProcess | None", rounds: int,
+           rates: list[float] | None) -> tuple[list[dict], dict | None]:
+    """`rounds` rounds of each load, each round served by every server in turn, and at the saturated rate by
+    `engine` in the same turn: a row for each server and load, and the engine's figures (None without it).
+    The Poisson rates are fractions of the first server's saturated request throughput."""
+    rows, in_process, saturated = [], [], None
     for i, load in enumerate(LOADS):
         rate = _rate(load, rates, saturated)
-        measured = []
+        measured = {system: [] for system in servers}
         for k in range(rounds):
-            console.print(f"{server.system}: rate {e2e.rate_label(rate)}, round {k + 1}/{rounds}")
-            measured.append(gen.round(server, 1 + i * rounds + k, rate))
-        rows.append({"system": server.system, "load": load, "request_rate": e2e.rate_label(rate),
-                     "figures": median_figures(measured), "rounds": measured})
-        saturated = saturated or rows[-1]["figures"]["request_throughput"]
-    return rows
+            chunk = 1 + i * rounds + k
+            for system, server in servers.items():
+                console.print(f"{system}: rate {e2e.rate_label(rate)}, round {k + 1}/{rounds}")
+                measured[system].append(gen.round(server, chunk, rate))
+            if engine is not None and load == "saturated":
+                console.print(f"vattn in process: round {k + 1}/{rounds}")
+                in_process.append(engine.round(chunk))
+        rows += [{"system": system, "load": load, "request_rate": e2e.rate_label(rate),
+                  "figures": median_figures(runs), "rounds": runs} for system, runs in measured.items()]
+        saturated = saturated or rows[0]["figures"]["request_throughput"]
+    if engine is None:
+        return rows, None
+    return rows, {"output_tok_per_s": sorted(in_process)[len(in_process) // 2], "rounds": in_process}
 
 
 def _rate(load: str, given: list[float] | None, saturated: float | None) -> float:
@@ -244,20 +257,27 @@ def _rate(load: str, given: list[float] | None, saturated: float | None) -> floa
     return round((BUSY if load == "busy" else CALM) * saturated, 3)
 
 
-def _in_process(loaded: e2e.Loaded, budget: int, reqs: list[list[dict]], log: Path) -> dict:
-    """The engine in a process of its own (`e2e.Worker`) on the saturated rounds' requests, all at once, after a
-    warm-up on the memory round's; the median of its output tok/s."""
-    worker = e2e.Worker("vattn", {"memory_budget": budget}, log / "in_process.log", loaded.where, loaded.dtype)
-    try:
+class _InProcess:
+    """The engine in a process of its own (`e2e.Worker`), warmed up on the memory round's requests; `round(k)`:
+    its output tok/s serving chunk k's requests all at once."""
+
+    def __init__(self, loaded: e2e.Loaded, budget: int, reqs: list[list[dict]], log: Path):
+        self.reqs = reqs
+        self._worker = e2e.Worker("vattn", {"memory_budget": budget}, log / "in_process.log", loaded.where,
+                                  loaded.dtype)
         console.print("vattn in process: warm-up")
-        worker.serve(reqs[0], [0.0] * len(reqs[0]))
-        measured = []
-        for k, chunk in enumerate(reqs[1:]):
-            console.print(f"vattn in process: round {k + 1}/{len(reqs) - 1}")
-            measured.append(e2e.figures(worker.serve(chunk, [0.0] * len(chunk)), chunk)["output_tok_per_s"])
-    finally:
-        worker.close()
-    return {"output_tok_per_s": sorted(measured)[len(measured) // 2], "rounds": measured}
+        try:
+            self.round(0)
+        except BaseException:
+            self.close()
+            raise
+
+    def round(self, chunk: int) -> float:
+        reqs = self.reqs[chunk]
+        return e2e.figures(self._worker.serve(reqs, [0.0] * len(reqs)), reqs)["output_tok_per_s"]
+
+    def close(self) -> None:
+        self._worker.close()
 
 
 def verdicts(result: dict) -> list[dict]:
