@@ -164,13 +164,14 @@ def smollm2():
 @pytest.mark.slow
 def test_smollm2_in_bfloat16_equals_hf_generate_but_at_near_ties():
     """48 ShareGPT prompts, 32 tokens, greedy, against HF generate() (batch
-    1, bfloat16): a prompt whose tokens part from the reference's parts
-    where its top two logits are within bfloat16's resolution over 30
-    layers, eight steps at the top logit (printed: how many equal).  Measured:
-    31 of 48 on an AVX2 CPU at f2abe2a, every other one parting within two
-    steps; on an AVX512-BF16 CPU 24 of 48 with oneDNN's GEMMs and 27 with
-    vattn's on vdpbf16ps (dbc9635), two of the others parting at five steps
-    either way, the rest within one."""
+    1, bfloat16, sdpa): a prompt whose tokens part from the reference's
+    parts where its top two logits are within bfloat16's resolution over 30
+    layers, eight steps at the top logit; and as many prompts equal the
+    reference as equal it under transformers' own eager attention (printed:
+    both counts).  Measured: 31 of 48 on an AVX2 CPU at f2abe2a; 27 on an
+    AVX512-BF16 CPU (dbc9635); on an AVX-512 Intel Xeon without bf16
+    instructions 28, where eager attention gives 24 and transformers at one
+    thread against two 39: a sum's order alone flips near ties."""
     from test_forward import near_tie
     from vattn.models import load_model
     from vattn.sharegpt import chat_prompt, sample
@@ -178,14 +179,17 @@ def test_smollm2_in_bfloat16_equals_hf_generate_but_at_near_ties():
     model, tokenizer = load_model(dtype=torch.bfloat16)
     chats = [chat_prompt(tokenizer, r.prompt) for r in sample(tokenizer, 48)]
     reference = [hf_greedy(model, p, 32, ignore_eos=True) for p in chats]
+    eager = load_model(dtype=torch.bfloat16, attn_implementation="eager")[0]
+    eager_equal = sum(hf_greedy(eager, p, 32, ignore_eos=True) == r for p, r in zip(chats, reference))
     engine = LLMEngine(model, tokenizer)
     assert engine.runner.decoder.elementwise
     tokens = [out[0] for out in run(engine, [(p, greedy(32, ignore_eos=True)) for p in chats])]
     engine.close()
     parted = [i for i, (t, r) in enumerate(zip(tokens, reference)) if t != r]
-    print(f"SmolLM2 bfloat16: {len(chats) - len(parted)} of {len(chats)} prompts give HF generate()'s 32 tokens")
+    print(f"SmolLM2 bfloat16: {len(chats) - len(parted)} of {len(chats)} prompts give HF generate()'s 32 tokens; "
+          f"with eager attention HF gives them for {eager_equal}")
     assert all(near_tie(model, chats[i], tokens[i], reference[i], steps=8) for i in parted)
-    assert len(parted) <= len(chats) // 2
+    assert len(chats) - len(parted) >= eager_equal
 
 
 SMOLLM2_GROUP = 180 * 8192  # 30 layers × K/V × 3 heads, 8 KiB pages of 32 fp32 tokens
