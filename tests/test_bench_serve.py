@@ -68,6 +68,21 @@ def test_a_short_run_measures_the_server_against_the_engine(tmp_path):
     assert len(files) == 4 and all(len(json.loads(f.read_text())) == 16 for f in files)
 
 
+def test_a_run_of_vllm_alone_reports_only_its_own_target(capsys):
+    """`--systems vllm`: no engine in process, no vattn row, so no ratio; vLLM's calm TTFT is still judged."""
+    figures = {"output_throughput": 100.0, "request_throughput": 1.0}
+    figures |= {f"{s}_{m}_ms": 1.0 for m in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "median", "p99")}
+    result = {"rows": [{"system": "vllm", "load": load, "request_rate": "inf", "figures": figures}
+                       for load in serve.LOADS],
+              "memory": {"vllm": {"peak_pss_bytes": 1 << 30, "peak_rss_bytes": 1 << 30}}, "in_process": None,
+              "num_prompts": 2, "model": "smollm2", "dtype": "float32", "max_tokens": 2, "rounds_per_figure": 1,
+              "cpu": "a CPU"}
+    result["verdicts"] = serve.verdicts(result)
+    assert [v["target"] for v in result["verdicts"]] == ["vLLM's median TTFT in ms, calm"]
+    serve._print(result)
+    assert "in process" not in capsys.readouterr().out
+
+
 def test_failed_rounds_say_why_and_the_load_generator_runs_the_next(tokenizer, tmp_path):
     """The load generator's one process outlives a failed round: against a port nobody listens on, no request
     is answered; with its dataset file missing, `vllm bench serve` itself fails."""
