@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -244,7 +245,7 @@ def _loads(servers: dict, gen: LoadGenerator, engine: "_InProcess | None", round
         saturated = saturated or rows[0]["figures"]["request_throughput"]
     if engine is None:
         return rows, None
-    return rows, {"output_tok_per_s": sorted(in_process)[len(in_process) // 2], "rounds": in_process}
+    return rows, {"output_tok_per_s": statistics.median(in_process), "rounds": in_process}
 
 
 def _rate(load: str, given: list[float] | None, saturated: float | None) -> float:
