@@ -22,6 +22,7 @@ def entries_in(reservation) -> int:
 def test_the_entries_drawn_bound_the_entries_the_reservation_takes(layout):
     cache = make_cache(layout, max_num_seqs=6, max_seq_len=300, page_size=4096)
     c, t, rng = cache.config, cache.table, random.Random(0)
+    t.pool.spread = False  # the lowest pages first, as in a shared pool: slots growing in turn interleave
     live = []
     for step in range(150):
         op = rng.random()
@@ -57,6 +58,7 @@ def small_budget(monkeypatch):
 def test_a_cache_stops_at_the_budget_as_if_memory_were_short(small_budget):
     cache = make_cache("per_layer", max_num_seqs=8, max_seq_len=400, page_size=4096)
     c, t = cache.config, cache.table
+    t.pool.spread = False  # the lowest pages first, as in a shared pool
     slots = [cache.allocate(40) for _ in range(4)]  # a page each: 2 entries in each of the 4 buffers
     refused = 0
     for tokens in range(80, 401, 40):  # a page at a time, in turn: no slot's pages are consecutive in the pool
@@ -72,6 +74,17 @@ def test_a_cache_stops_at_the_budget_as_if_memory_were_short(small_budget):
     del cache, t
     gc.collect()
     assert small_budget.left == 100  # given back when the cache goes
+
+
+def test_slots_growing_in_turn_keep_their_pages_consecutive_and_stay_within_the_budget(small_budget):
+    """As above, but with the pool placing pages as a cache's own pool does: each slot grows in place."""
+    cache = make_cache("per_layer", max_num_seqs=8, max_seq_len=400, page_size=4096)
+    slots = [cache.allocate(40) for _ in range(4)]
+    for tokens in range(80, 401, 40):
+        for s in slots:
+            assert cache.grow(s, tokens)
+    assert cache.table.entries == 2 * len(slots) and cache.map_limit_hits == 0  # one run each
+    cache.check()
 
 
 def test_caches_share_the_budget(small_budget):

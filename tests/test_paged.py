@@ -9,7 +9,8 @@ def test_tokens_land_in_the_blocks_the_table_names():
     a, b = cache.allocate(40), cache.allocate(20)
     data = fill(cache, a, 40)
     fill(cache, b, 20, seed=1)
-    assert cache.block_table(a) == [0, 1, 2] and cache.block_table(b) == [3, 4]
+    assert len(cache.block_table(a)) == 3 and len(cache.block_table(b)) == 2
+    assert not set(cache.block_table(a)) & set(cache.block_table(b))
     for t in (0, 15, 16, 39):
         row = cache.block_table(a)[t // 16] * 16 + t % 16
         assert torch.equal(cache.storage.pools[2][row], data[1][0][t])  # layer 1's K

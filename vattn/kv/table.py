@@ -55,7 +55,7 @@ class SlotTable:
             self.pool, self.run = PagePool(config.num_pages), 0
         else:
             member.bind(self, config.page_bytes, config.page_size)
-            self.pool, self.run = PagePool(member.num_pages, held=False), member.per_chunk
+            self.pool, self.run = PagePool(member.num_pages, held=False, spread=False), member.per_chunk
         self.slots = [Slot([0] * config.num_layers) for _ in range(config.max_num_seqs)]
         self.clock = itertools.count(1)  # stamps: when a slot went idle, which swap-out a SwappedSlot is
         self.zero_filled: set[tuple[int, int]] = set()  # (slot, page index) where the zero page is mapped
@@ -148,11 +148,14 @@ class SlotTable:
 
     def extend(self, growth: Mapping[int, int]) -> None:
         """Map `growth[slot]` fresh pages after each slot's last page."""
-        pages = self.pool.allocate(sum(growth.values()))
-        assert pages is not None, "room was checked"
+        assert sum(growth.values()) <= self.pool.num_free, "room was checked"
+        entries, pages = [], []
+        for i, n in growth.items():
+            have = self.slots[i].pages
+            pages += self.pool.allocate(n, after=have[-1] if have else None)
+            entries += [(i, j) for j in range(len(have), len(have) + n)]
         if pages:
-            self.attach([(i, j) for i, n in growth.items()
-                         for j in range(len(self.slots[i].pages), len(self.slots[i].pages) + n)], pages)
+            self.attach(entries, pages)
 
     def attach(self, entries: list[tuple[int, int]], pages: list[int]) -> None:
         """Map allocated `pages` at (slot, page index) `entries`, each after its
