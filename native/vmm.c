@@ -20,6 +20,7 @@
 #include <Python.h>
 #include <structmember.h>
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <malloc.h>
@@ -479,14 +480,17 @@ static PyObject *page_out(PyObject *mod, PyObject *args) {
     return PyLong_FromLong(0);
 }
 
-/* malloc_trim(0) where the C library is glibc: the heap's free memory back to
- * the OS.  True if some was given back. */
+/* The heap's free memory back to the OS, which both allocators keep after
+ * large frees to serve later allocations: tcmalloc's, where the process runs
+ * under it (vattn.allocator; found by name, so nothing links against it),
+ * and glibc's (malloc_trim).  Returns whether tcmalloc was found. */
 static PyObject *trim_heap(PyObject *mod, PyObject *unused) {
+    void (*release)(void) = (void (*)(void))dlsym(RTLD_DEFAULT, "MallocExtension_ReleaseFreeMemory");
+    if (release) release();
 #ifdef __GLIBC__
-    return PyBool_FromLong(malloc_trim(0));
-#else
-    Py_RETURN_FALSE;
+    malloc_trim(0);
 #endif
+    return PyBool_FromLong(release != NULL);
 }
 
 static double now_ns(void) {
@@ -535,7 +539,8 @@ PyMethodDef VMM_METHODS[] = {
      "page_out(addr, nbytes): reclaim the resident whole pages of the range (madvise MADV_PAGEOUT); the bytes "
      "advised."},
     {"trim_heap", trim_heap, METH_NOARGS,
-     "trim_heap(): the heap's free memory back to the OS (glibc's malloc_trim)."},
+     "trim_heap(): the heap's free memory back to the OS (tcmalloc's, where it runs, and glibc's); whether tcmalloc "
+     "was found."},
     {"raw_map_loop", raw_map_loop, METH_VARARGS,
      "raw_map_loop(reservation, file, page_size, virt_offsets, file_offsets) -> (map_ns, unmap_ns)."},
     {"os_page_size", os_page_size, METH_NOARGS,

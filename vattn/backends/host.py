@@ -102,10 +102,13 @@ def page_out_file_pages(tensors: Sequence[torch.Tensor]) -> int:
     return advised
 
 
-def trim_heap() -> None:
-    """Give the OS back the heap's free memory, which glibc keeps after large
-    frees (weights packed or unpacked) to serve later allocations."""
-    binding.trim_heap()
+def trim_heap() -> bool:
+    """Give the OS back the heap's free memory, which the allocator (tcmalloc
+    where the process runs under it, else glibc's) keeps after large frees
+    (weights packed or unpacked) to serve later allocations: a second engine
+    over a model the first gave back would otherwise hold its unpacked
+    weights twice.  Returns whether tcmalloc was found."""
+    return binding.trim_heap()
 
 
 class HugePages:
