@@ -38,22 +38,23 @@ import json, os
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from vattn.backends.host import trim_heap
+from vattn.bench.pss import pss_bytes
 from vattn.engine import LLMEngine
-rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 config = LlamaConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=2, num_attention_heads=16,
                      num_key_value_heads=4, vocab_size=1000)
 model = LlamaForCausalLM(config).eval()  # 116 MiB of linear weights
 LLMEngine(model, memory_budget=16 << 20).close()  # packs the weights, then gives them back unpacked
-first = rss()
+first = pss_bytes(os.getpid())
 engine = LLMEngine(model, memory_budget=16 << 20)  # packs them again, letting the unpacked ones go
-print(json.dumps({"tcmalloc": trim_heap(), "grew": rss() - first}))
+grew = pss_bytes(os.getpid()) - first  # measured before the call below trims the heap itself
+print(json.dumps({"grew": grew, "tcmalloc": trim_heap()}))
 """
 
 
 def test_a_second_engine_over_a_model_does_not_hold_its_weights_twice():
     """An allocator keeps large frees resident for later allocations: the unpacked weights a second engine
     lets go stay unless `trim_heap` gives them back, as packing does (without it the second engine grew the
-    process by 158 MiB under tcmalloc, 73 MiB under glibc's malloc)."""
+    process's PSS by 126 MiB under either allocator)."""
     glibc = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     for env in (allocator.preloaded(glibc), glibc):
         out = subprocess.run([sys.executable, "-c", SECOND_ENGINE], env=env, capture_output=True, text=True,
