@@ -17,7 +17,8 @@
  * memory, not the caches, and the hardware's own prefetching falls short of
  * the memory's bandwidth); a prefill tile (up to TILE queries of several tokens) holds
  * its queries in the lanes instead and broadcasts each K value against them,
- * a small matrix product with no horizontal sums.
+ * a small matrix product with no horizontal sums, and each V value against
+ * their probabilities, its output held by dimension (`acct`).
  *
  * Work: tiles (request, K/V head, up to TILE query vectors) are cut along the
  * rows into splits when there are too few for the threads; splits run on
@@ -156,7 +157,10 @@ typedef struct {
         float qt[MAX_HEAD_DIM][TILE] __attribute__((aligned(64)));
         uint32_t qk[2][MAX_HEAD_DIM / 32][16][16] __attribute__((aligned(64)));  /* AMX: query tiles */
     };
-    float acc[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    union {
+        float acc[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));
+        float acct[MAX_HEAD_DIM][TILE] __attribute__((aligned(64)));  /* probs_across without AMX: by dimension */
+    };
     float m[TILE] __attribute__((aligned(64))), l[TILE] __attribute__((aligned(64)));
     int64_t qlo[TILE], qhi[TILE];
     int64_t lo_max, hi_min;  /* the rows every query reads: [lo_max, hi_min) */
@@ -169,6 +173,11 @@ INLINE void query_rows(const Call *c, const int64_t *r, int64_t j, int64_t *lo, 
     int64_t first = c->window ? pos + 1 - c->window : 0;
     *lo = first > r[REQ_START] ? first : r[REQ_START];
     *hi = pos + 1;
+}
+
+/* Query i's output so far at dimension d (`transposed`: held in acct). */
+INLINE float output(const Online *o, int i, int64_t d, int transposed) {
+    return transposed ? o->acct[d][i] : o->acc[i][d];
 }
 
 /* What each query has summed so far times its factor corr[i] (the online softmax's, for a new maximum). */

@@ -40,11 +40,10 @@ INLINE bf32 interleave(bf16v_u a, bf16v_u b) {
 #define QG (W == 16 ? 3 : 1)  /* queries block_scores takes at once: 8 accumulators each, in 32 or 16 registers */
 
 /* acc[i][d..] += Σ_t p_it · v_t[d..] for n queries and nv vectors of dims (constants, the
- * accumulators in registers); p_it is p[i * pq + t * pt].  With `ahead`, row t of the next block
+ * accumulators in registers); p_it is p[i * BLOCK + t].  With `ahead`, row t of the next block
  * is prefetched beside each V row read. */
-INLINE void NAME(accumulate_at)(float (*acc)[MAX_HEAD_DIM], const float *p, int64_t pq, int64_t pt, const char *v,
-                                int64_t vrow, int nb, int64_t d, const int n, const int nv, int bf16,
-                                const Ahead *ahead) {
+INLINE void NAME(accumulate_at)(float (*acc)[MAX_HEAD_DIM], const float *p, const char *v, int64_t vrow, int nb,
+                                int64_t d, const int n, const int nv, int bf16, const Ahead *ahead) {
     vec o[4][DV];
 #pragma GCC unroll 4
     for (int i = 0; i < n; i++)
@@ -59,7 +58,7 @@ INLINE void NAME(accumulate_at)(float (*acc)[MAX_HEAD_DIM], const float *p, int6
 #pragma GCC unroll 4
         for (int i = 0; i < n; i++)
 #pragma GCC unroll 4
-            for (int k = 0; k < nv; k++) o[i][k] += p[i * pq + t * pt] * x[k];
+            for (int k = 0; k < nv; k++) o[i][k] += p[i * BLOCK + t] * x[k];
     }
 #pragma GCC unroll 4
     for (int i = 0; i < n; i++)
@@ -69,12 +68,11 @@ INLINE void NAME(accumulate_at)(float (*acc)[MAX_HEAD_DIM], const float *p, int6
 
 /* acc[i] += Σ_t p_it · v_t for n (a constant) queries, DV·W dims at a time (the first pass
  * prefetching `ahead`). */
-INLINE void NAME(accumulate)(float (*acc)[MAX_HEAD_DIM], const float *p, int64_t pq, int64_t pt, const char *v,
-                             int64_t vrow, int nb, int64_t D, const int n, int bf16, const Ahead *ahead) {
+INLINE void NAME(accumulate)(float (*acc)[MAX_HEAD_DIM], const float *p, const char *v, int64_t vrow, int nb,
+                             int64_t D, const int n, int bf16, const Ahead *ahead) {
     int64_t d = 0;
-    for (; d + DV * W <= D; d += DV * W, ahead = NULL)
-        NAME(accumulate_at)(acc, p, pq, pt, v, vrow, nb, d, n, DV, bf16, ahead);
-    for (; d < D; d += W, ahead = NULL) NAME(accumulate_at)(acc, p, pq, pt, v, vrow, nb, d, n, 1, bf16, ahead);
+    for (; d + DV * W <= D; d += DV * W, ahead = NULL) NAME(accumulate_at)(acc, p, v, vrow, nb, d, n, DV, bf16, ahead);
+    for (; d < D; d += W, ahead = NULL) NAME(accumulate_at)(acc, p, v, vrow, nb, d, n, 1, bf16, ahead);
 }
 
 #if W == 16
@@ -118,7 +116,7 @@ INLINE void accumulate_pairs(float (*acc)[MAX_HEAD_DIM], const uint16_t (*pb)[BL
 
 /* The tile's queries in lanes: QV vectors of W hold its TILE queries. */
 #define QV (TILE / W)
-#define ROWS (8 / QV) /* K rows a call of scores() takes: eight accumulators */
+#define ROWS (W == 16 ? 16 / QV : 8 / QV) /* K rows a call of scores() takes: 16 or 8 accumulators */
 
 /* s[u] = K row u · each of the tile's queries (in lanes) for n (a constant) rows: each K value is
  * broadcast against the queries transposed, so no score needs a horizontal sum. */
@@ -169,14 +167,42 @@ INLINE void NAME(softmax_across)(Online *o, int nq, vec (*s)[QV], int64_t b0, in
 
 /* softmax_across of a block's scores, each K value broadcast against the queries. */
 INLINE void NAME(probs_across)(Online *o, int nq, const char *kf, int64_t kfrow, int64_t b0, int nb, int64_t D,
-                               float (*p)[TILE]) {
+                               float (*p)[TILE], float *corr) {
     vec s[BLOCK][QV];
     int t = 0;
     for (; t + ROWS <= nb; t += ROWS) NAME(scores)(s + t, o->qt, kf + t * kfrow, kfrow, D, ROWS);
     for (; t < nb; t++) NAME(scores)(s + t, o->qt, kf + t * kfrow, kfrow, D, 1);
-    float corr[TILE] __attribute__((aligned(64)));
     NAME(softmax_across)(o, nq, s, b0, nb, p, corr);
-    rescale(o, nq, corr, D);
+}
+
+#define DT (W == 16 ? 8 : 2) /* dimensions accumulate_across holds in registers: 16 or 8 accumulators */
+
+/* acct[d][i] = acct[d][i] · corr[i] + Σ_t p[t][i] · v_t[d] for the n (a constant) dimensions from d0, the tile's
+ * queries in lanes: each V value broadcast against the queries' probabilities, as scores() does K's. */
+INLINE void NAME(accumulate_across_at)(float (*acct)[TILE], const float (*p)[TILE], const float *corr, const char *v,
+                                       int64_t vrow, int nb, int64_t d0, const int n, int bf16) {
+    vec a[DT][QV];
+    for (int k = 0; k < n; k++)
+        for (int x = 0; x < QV; x++) a[k][x] = *(const vec *)&acct[d0 + k][x * W] * *(const vec *)&corr[x * W];
+    for (int t = 0; t < nb; t++) {
+        const char *row = v + t * vrow;
+        vec pv[QV];
+        for (int x = 0; x < QV; x++) pv[x] = *(const vec *)&p[t][x * W];
+#pragma GCC unroll 8
+        for (int k = 0; k < n; k++) {
+            const float e = scalar(row, d0 + k, bf16);
+            for (int x = 0; x < QV; x++) a[k][x] += e * pv[x];
+        }
+    }
+    for (int k = 0; k < n; k++)
+        for (int x = 0; x < QV; x++) *(vec *)&acct[d0 + k][x * W] = a[k][x];
+}
+
+/* The online softmax's step over a block for a prefill tile: its running output rescaled by corr and p · V added
+ * (D: a multiple of 16). */
+INLINE void NAME(accumulate_across)(float (*acct)[TILE], const float (*p)[TILE], const float *corr, const char *v,
+                                    int64_t vrow, int nb, int64_t D, int bf16) {
+    for (int64_t d = 0; d < D; d += DT) NAME(accumulate_across_at)(acct, p, corr, v, vrow, nb, d, DT, bf16);
 }
 
 #if W == 16
@@ -454,10 +480,11 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16, int paired
         } else {
             for (int64_t d = 0; d < D; d++) o.qs[i][d] = scalar(row, d, bf16) * c->scale;
         }
-        memset(o.acc[i], 0, D * sizeof(float));
+        if (!across) memset(o.acc[i], 0, D * sizeof(float));
         query_rows(c, r, j, &o.qlo[i], &o.qhi[i]);
     }
-    for (int i = nq; tiles && across && i < TILE; i++) memset(o.acc[i], 0, D * sizeof(float));  /* tiles compute them */
+    if (across && tiles) memset(o.acc, 0, TILE * sizeof(o.acc[0]));  /* tiles compute every row */
+    if (across && !tiles) memset(o.acct, 0, D * sizeof(o.acct[0]));
     o.scale = c->scale;
     o.lo_max = 0;
     o.hi_min = INT64_MAX;
@@ -495,17 +522,16 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16, int paired
             kf = (const char *)kblock;
             kfrow = sizeof(kblock[0]);
         }
-        int64_t pq = 1, pt = TILE;  /* p_it is p[i * pq + t * pt] */
-        Ahead next = {0};  /* decode: the next block's rows, prefetched while V is read */
         if (across) {  /* no prefetching: the many tiles of a prefill chunk find its rows in the cache */
-            NAME(probs_across)(&o, nq, kf, kfrow, b0, nb, D, (float (*)[TILE])p);
-        } else {
-            NAME(probs_each)(&o, nq, kf, kfrow, b0, nb, D, (float (*)[BLOCK])p, paired, tiles);
-            pq = BLOCK;
-            pt = 1;
-            const int64_t after = item->hi - b0 - nb;  /* rows past this block */
-            next = (Ahead){k0 + nb * krow, v0 + nb * vrow, krow, vrow, D * esize, (int)(after < BLOCK ? after : BLOCK)};
+            float corr[TILE] __attribute__((aligned(64)));
+            NAME(probs_across)(&o, nq, kf, kfrow, b0, nb, D, (float (*)[TILE])p, corr);
+            NAME(accumulate_across)(o.acct, (const float (*)[TILE])p, corr, v0, vrow, nb, D, bf16);
+            continue;
         }
+        NAME(probs_each)(&o, nq, kf, kfrow, b0, nb, D, (float (*)[BLOCK])p, paired, tiles);
+        const int64_t after = item->hi - b0 - nb;  /* rows past this block */
+        const Ahead next = {k0 + nb * krow, v0 + nb * vrow, krow, vrow, D * esize,
+                            (int)(after < BLOCK ? after : BLOCK)};
         const Ahead *fetch = next.rows > 0 ? &next : NULL;
 #if W == 16
         if (paired) {  /* p in bfloat16: rows of BLOCK, zeros past nb (probs_each) */
@@ -525,11 +551,11 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16, int paired
         /* acc += p · V, four queries at a time */
         int i0 = 0;
         for (; i0 + 4 <= nq; i0 += 4, fetch = NULL)
-            NAME(accumulate)(o.acc + i0, p + i0 * pq, pq, pt, v0, vrow, nb, D, 4, bf16, fetch);
+            NAME(accumulate)(o.acc + i0, p + i0 * BLOCK, v0, vrow, nb, D, 4, bf16, fetch);
         switch (nq - i0) {
-            case 3: NAME(accumulate)(o.acc + i0, p + i0 * pq, pq, pt, v0, vrow, nb, D, 3, bf16, fetch); break;
-            case 2: NAME(accumulate)(o.acc + i0, p + i0 * pq, pq, pt, v0, vrow, nb, D, 2, bf16, fetch); break;
-            case 1: NAME(accumulate)(o.acc + i0, p + i0 * pq, pq, pt, v0, vrow, nb, D, 1, bf16, fetch); break;
+            case 3: NAME(accumulate)(o.acc + i0, p + i0 * BLOCK, v0, vrow, nb, D, 3, bf16, fetch); break;
+            case 2: NAME(accumulate)(o.acc + i0, p + i0 * BLOCK, v0, vrow, nb, D, 2, bf16, fetch); break;
+            case 1: NAME(accumulate)(o.acc + i0, p + i0 * BLOCK, v0, vrow, nb, D, 1, bf16, fetch); break;
         }
     }
 
@@ -537,14 +563,15 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16, int paired
         float *part = tile->partial + item->split * nq * (D + 2);
         memcpy(part, o.m, nq * sizeof(float));
         memcpy(part + nq, o.l, nq * sizeof(float));
-        for (int i = 0; i < nq; i++) memcpy(part + 2 * nq + i * D, o.acc[i], D * sizeof(float));
+        for (int i = 0; i < nq; i++)
+            for (int64_t d = 0; d < D; d++) part[2 * nq + i * D + d] = output(&o, i, d, across && !tiles);
         return;
     }
     for (int i = 0; i < nq; i++) {
         int64_t j = tile->j0 + i, token = r[REQ_Q_FIRST] + j / G, head = tile->head * G + j % G;
         char *row = c->out + (token * c->out_token + head * c->out_head) * esize;
         float inv = 1.0f / o.l[i];
-        for (int64_t d = 0; d < D; d++) store(row, d, o.acc[i][d] * inv, bf16);
+        for (int64_t d = 0; d < D; d++) store(row, d, output(&o, i, d, across && !tiles) * inv, bf16);
     }
 }
 
@@ -571,6 +598,7 @@ INLINE void NAME(run_items)(Call *c, const int paired, const int amx) {
 
 
 #undef QV
+#undef DT
 #undef QG
 #undef DV
 #undef ROWS
