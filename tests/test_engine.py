@@ -1,5 +1,6 @@
 """The serving engine: outputs equal HF generate(), under pressure too;
 sharing, prefix caching, abort, failures and bad input leave the pool whole."""
+import gc
 import os
 import subprocess
 import sys
@@ -412,6 +413,16 @@ def test_close_gives_back_the_memory_idle_slots_hold():
     assert engine.kv.cache.stats().committed_bytes > 0  # finished requests' slots keep their pages, idle
     engine.close()
     assert engine.kv.cache.stats().committed_bytes == 0
+
+
+def test_the_objects_alive_at_the_start_stay_out_of_the_collector_until_close():
+    """The collector's full passes while serving skip the model's and the libraries' objects; close gives
+    them back (else a test's engines would hold their garbage for the rest of the run)."""
+    gc.unfreeze()
+    engine = engine_for(tiny_model("llama", "sdpa"))
+    assert gc.get_freeze_count() > 10_000
+    engine.close()
+    assert gc.get_freeze_count() == 0
 
 
 def test_memory_budget_too_small_for_a_request():
