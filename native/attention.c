@@ -26,7 +26,7 @@
  * are merged (flash-decoding).  Inner loops use GCC vector types: the body
  * (attention_kernel.h) is compiled at 16 lanes for AVX-512 and at 8 for AVX2/FMA
  * and for the baseline ISA, and the CPU's features pick one at run time; over
- * bfloat16 K/V, with AVX512-BF16 a decode tile computes QK and PV on vdpbf16ps
+ * bfloat16 K/V, with AVX512-BF16 a tile computes QK and PV on vdpbf16ps
  * (`paired`), reading K as stored and V two rows at a time, and with AMX a
  * decode tile its scores and a prefill tile everything on AMX tiles (`tiles`).
  *
@@ -156,6 +156,7 @@ typedef struct {
     union {
         float qt[MAX_HEAD_DIM][TILE] __attribute__((aligned(64)));
         uint32_t qk[2][MAX_HEAD_DIM / 32][16][16] __attribute__((aligned(64)));  /* AMX: query tiles */
+        uint16_t qp[MAX_HEAD_DIM / 2][2 * TILE] __attribute__((aligned(64)));  /* paired prefill: by dimension pair */
     };
     union {
         float acc[TILE][MAX_HEAD_DIM] __attribute__((aligned(64)));

@@ -206,6 +206,74 @@ INLINE void NAME(accumulate_across)(float (*acct)[TILE], const float (*p)[TILE],
 }
 
 #if W == 16
+/* Paired prefill tiles (AVX512-BF16, over bfloat16 K/V; AMX CPUs where a tile's head dimension is no multiple of
+ * 32): the queries in lanes as pairs of dimensions (qp), each K pair broadcast against them; then the
+ * probabilities, rounded to bfloat16, paired along the rows against V's rows interleaved two by two, each pair of
+ * V values broadcast.  Half the instructions of widening to float32, and K and V read as stored. */
+
+/* s[u] = K row u · each of the tile's queries, times the scale, for n (a constant) rows. */
+INLINE void scores_pairs(vec (*s)[QV], const Online *o, const char *k, int64_t krow, int64_t D, const int n) {
+    vec dot[ROWS][QV] = {};
+    for (int64_t e = 0; e < D / 2; e++) {
+        bf32 q[QV];
+        for (int v = 0; v < QV; v++) q[v] = *(const bf32 *)&o->qp[e][2 * v * W];
+#pragma GCC unroll 8
+        for (int u = 0; u < n; u++) {
+            const uint16_t *pair = (const uint16_t *)(k + u * krow) + 2 * e;
+            for (int v = 0; v < QV; v++) dot[u][v] = dot2_broadcast(dot[u][v], q[v], pair);
+        }
+    }
+    for (int u = 0; u < n; u++)
+        for (int v = 0; v < QV; v++) s[u][v] = dot[u][v] * o->scale;
+}
+
+/* acct[d][i] = acct[d][i] · corr[i] + Σ_j pp[j][i] · vp[j][d] for the n (a constant) dimensions from d0: the pairs
+ * (two bfloat16 values) of rows 2j and 2j + 1 of the probabilities (by query) and of V (by dimension). */
+INLINE void accumulate_pairs_across_at(float (*acct)[TILE], const uint16_t (*pp)[2 * TILE], const float *corr,
+                                       const uint16_t (*vp)[2 * MAX_HEAD_DIM], int pairs, int64_t d0, const int n) {
+    vec a[DT][QV];
+    for (int k = 0; k < n; k++)
+        for (int x = 0; x < QV; x++) a[k][x] = *(const vec *)&acct[d0 + k][x * W] * *(const vec *)&corr[x * W];
+    for (int j = 0; j < pairs; j++) {
+        bf32 pv[QV];
+        for (int x = 0; x < QV; x++) pv[x] = *(const bf32 *)&pp[j][2 * x * W];
+#pragma GCC unroll 8
+        for (int k = 0; k < n; k++)
+            for (int x = 0; x < QV; x++) a[k][x] = dot2_broadcast(a[k][x], pv[x], &vp[j][2 * (d0 + k)]);
+    }
+    for (int k = 0; k < n; k++)
+        for (int x = 0; x < QV; x++) *(vec *)&acct[d0 + k][x * W] = a[k][x];
+}
+
+/* A prefill tile's step over a block of nb rows, paired: scores, the online softmax, and p · V. */
+INLINE void block_pairs(Online *o, int nq, const char *k, int64_t krow, const char *v, int64_t vrow, int64_t b0,
+                        int nb, int64_t D) {
+    vec s[BLOCK][QV];
+    int t = 0;
+    for (; t + ROWS <= nb; t += ROWS) scores_pairs(s + t, o, k + t * krow, krow, D, ROWS);
+    for (; t < nb; t++) scores_pairs(s + t, o, k + t * krow, krow, D, 1);
+    float p[BLOCK][TILE] __attribute__((aligned(64))), corr[TILE] __attribute__((aligned(64)));
+    NAME(softmax_across)(o, nq, s, b0, nb, p, corr);
+
+    const int pairs = (nb + 1) / 2;  /* a row past nb: zeros, not read */
+    uint16_t pp[BLOCK / 2][2 * TILE] __attribute__((aligned(64))), vp[BLOCK / 2][2 * MAX_HEAD_DIM]
+        __attribute__((aligned(64)));
+    for (int j = 0; j < pairs; j++) {
+        for (int x = 0; x < QV; x++) {
+            const vec lo = *(const vec *)&p[2 * j][x * W],
+                      hi = 2 * j + 1 < nb ? *(const vec *)&p[2 * j + 1][x * W] : (vec){};
+            *(bf32 *)&pp[j][2 * x * W] = (bf32)(NAME(bf16_bits)(lo) | NAME(bf16_bits)(hi) << 16);
+        }
+        const uint16_t *a = (const uint16_t *)(v + 2 * j * vrow), *b = (const uint16_t *)(v + (2 * j + 1) * vrow);
+        for (int64_t c = 0; c < D; c += 16)
+            *(bf32 *)&vp[j][2 * c] =
+                interleave(*(const bf16v_u *)(a + c), 2 * j + 1 < nb ? *(const bf16v_u *)(b + c) : (bf16v_u){});
+    }
+    for (int64_t d = 0; d < D; d += DT)
+        accumulate_pairs_across_at(o->acct, (const uint16_t (*)[2 * TILE])pp, corr,
+                                   (const uint16_t (*)[2 * MAX_HEAD_DIM])vp, pairs, d, DT);
+}
+
 /* AMX (`tiles`: over bfloat16 K/V, the head dimension a multiple of 32).  A prefill chunk's tile (over 16
  * queries), a block at a time: its scores as S^T = K·Q^T, K's rows loaded into tiles as stored against the
  * queries paired along the head dimension (qk, made once a tile), then acc += P·V, the probabilities paired
@@ -449,15 +517,13 @@ INLINE void NAME(probs_each)(Online *o, int nq, const char *kf, int64_t kfrow, i
     }
 }
 
-/* One split of a tile: online softmax over rows [item->lo, item->hi); with `paired` (bf16 too), a decode
- * split's on vdpbf16ps (a prefill chunk's, paired, measured about a tenth slower than widened to float32),
- * and with `amx` a decode split's scores of whole blocks and a prefill chunk's blocks on AMX tiles. */
+/* One split of a tile: online softmax over rows [item->lo, item->hi); with `paired` (bf16 too) on vdpbf16ps, and
+ * with `amx` a decode split's scores of whole blocks and a prefill chunk's blocks on AMX tiles. */
 INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16, int paired, int amx) {
     const Tile *tile = item->tile;
     const int64_t *r = c->reqs + tile->req * REQ_FIELDS;
     const int64_t D = c->D, G = c->G, esize = bf16 ? 2 : 4;
     const int nq = tile->nq, across = nq > ACROSS, tiles = amx && D % 32 == 0;  /* AMX: whole blocks */
-    paired = paired && !across;
     const char *kbase = c->k + (r[REQ_SLOT] * c->k_slot + tile->head * c->k_head) * esize;
     const char *vbase = c->v + (r[REQ_SLOT] * c->v_slot + tile->head * c->v_head) * esize;
     const int64_t krow = c->k_row * esize, vrow = c->v_row * esize;
@@ -495,9 +561,15 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16, int paired
 #if W == 16
     if (tiles) query_tiles(&o, nq, D);
 #endif
-    if (across && !tiles)
+    if (across && !tiles && !paired)
         for (int64_t d = 0; d < D; d++)
             for (int i = 0; i < TILE; i++) o.qt[d][i] = i < nq ? o.qs[i][d] : 0;
+    if (across && !tiles && paired)
+        for (int64_t e = 0; e < D / 2; e++)
+            for (int i = 0; i < TILE; i++) {
+                o.qp[e][2 * i] = i < nq ? o.qb[i][2 * e] : 0;
+                o.qp[e][2 * i + 1] = i < nq ? o.qb[i][2 * e + 1] : 0;
+            }
 
     if (!across) {  /* a decode split reads each row once: its first block is fetched now, each next one ahead */
         const Ahead first = {kbase + item->lo * krow, vbase + item->lo * vrow, krow, vrow, D * esize,
@@ -510,6 +582,10 @@ INLINE void NAME(run_item)(const Call *c, const Item *item, int bf16, int paired
 #if W == 16
         if (tiles && across) {
             block_tiles(&o, nq, k0, krow, v0, vrow, b0, nb, D, (uint16_t (*)[MAX_HEAD_DIM])kblock);
+            continue;
+        }
+        if (paired && across) {
+            block_pairs(&o, nq, k0, krow, v0, vrow, b0, nb, D);
             continue;
         }
 #endif

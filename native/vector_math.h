@@ -50,6 +50,12 @@ INLINE v16f dot2(v16f acc, bf32 a, bf32 b) {
     return acc;
 }
 
+/* dot2 against the pair at p in every lane (vdpbf16ps's own broadcast from memory) */
+INLINE v16f dot2_broadcast(v16f acc, bf32 a, const uint16_t *p) {
+    __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*(const uint16_t(*)[2])p));
+    return acc;
+}
+
 /* The pair at p broadcast to every lane. */
 INLINE bf32 broadcast_pair(const uint16_t *p) {
     uint32_t word;

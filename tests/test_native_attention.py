@@ -169,8 +169,9 @@ def test_every_instruction_set_gives_the_reference_s_answer(isa, dtype):
 @pytest.mark.parametrize("isa", runnable_isas())
 def test_prefill_chunks_in_bfloat16_give_the_reference_s_answer_on_every_instruction_set(isa, dim):
     """Prefill tiles of 17 to 32 queries in bfloat16 (AMX tiles where the CPU has them and the head
-    dimension is a multiple of 32; 80 is not): blocks cut short by a length or a start, causal
-    diagonals, a window, and a chunk that ends mid-block."""
+    dimension is a multiple of 32, 80 is not; else pairs on vdpbf16ps where it has AVX512-BF16):
+    blocks cut short by a length or a start (an odd number of rows), causal diagonals, a window, and
+    a chunk that ends mid-block."""
     heads, kv_heads = 8, 2
     lengths = [70, 333, 1000, 45]
     cache, K, V = cache_views("per_head", heads, kv_heads, dim, lengths, torch.bfloat16)

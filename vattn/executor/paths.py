@@ -16,7 +16,7 @@ def kernel_paths() -> list[tuple[str, str]]:
     attention_bf16 = {
         "amx": "decode: QK on AMX tiles, PV on vdpbf16ps; prefill chunks: QK and PV on AMX tiles (a head dim "
                "that is a multiple of 32; else as avx512_bf16)",
-        "avx512_bf16": "decode: QK and PV on vdpbf16ps, K read as stored; prefill chunks: widened to float32",
+        "avx512_bf16": "QK and PV on vdpbf16ps, K and V read as stored",
     }.get(isa, "bfloat16 K/V widened to float32 as read")
     own = {name: gemm.serves(torch.ones(1, 1, dtype=getattr(torch, name))) for name in ("float32", "bfloat16")}
     onednn = {"float32": "oneDNN, pre-packed",
