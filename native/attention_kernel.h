@@ -227,19 +227,40 @@ INLINE void scores_pairs(vec (*s)[QV], const Online *o, const char *k, int64_t k
         for (int v = 0; v < QV; v++) s[u][v] = dot[u][v] * o->scale;
 }
 
-/* acct[d][i] = acct[d][i] · corr[i] + Σ_j pp[j][i] · vp[j][d] for the n (a constant) dimensions from d0: the pairs
- * (two bfloat16 values) of rows 2j and 2j + 1 of the probabilities (by query) and of V (by dimension). */
-INLINE void accumulate_pairs_across_at(float (*acct)[TILE], const uint16_t (*pp)[2 * TILE], const float *corr,
-                                       const uint16_t (*vp)[2 * MAX_HEAD_DIM], int pairs, int64_t d0, const int n) {
+/* pp[j][i]: query i's probabilities of rows 2j and 2j + 1 in bfloat16, a pair (zeros past nb). */
+INLINE void probability_pairs(const float (*p)[TILE], int nb, uint32_t (*pp)[TILE]) {
+    for (int j = 0; j < BLOCK / 2; j++)
+        for (int x = 0; x < QV; x++) {
+            const vec lo = 2 * j < nb ? *(const vec *)&p[2 * j][x * W] : (vec){},
+                      hi = 2 * j + 1 < nb ? *(const vec *)&p[2 * j + 1][x * W] : (vec){};
+            *(vecu *)&pp[j][x * W] = NAME(bf16_bits)(lo) | NAME(bf16_bits)(hi) << 16;
+        }
+}
+
+/* vb[c][j]: dimensions 16c .. 16c + 15 of V rows 2j and 2j + 1, interleaved (zeros past nb). */
+INLINE void row_pairs(const char *v, int64_t vrow, int nb, int64_t D, bf32 (*vb)[BLOCK / 2]) {
+    for (int j = 0; j < BLOCK / 2; j++) {
+        const uint16_t *a = (const uint16_t *)(v + 2 * j * vrow), *b = (const uint16_t *)(v + (2 * j + 1) * vrow);
+        for (int64_t c = 0; c < D / 16; c++)
+            vb[c][j] = interleave(2 * j < nb ? *(const bf16v_u *)(a + 16 * c) : (bf16v_u){},
+                                  2 * j + 1 < nb ? *(const bf16v_u *)(b + 16 * c) : (bf16v_u){});
+    }
+}
+
+/* acct[d][i] = acct[d][i] · corr[i] + Σ_j pp[j][i] · (V rows 2j and 2j + 1 at d) for the n (a constant) dimensions
+ * from d0 (d0 a multiple of n, n of 16), over `pairs` pairs of rows (probability_pairs, row_pairs). */
+INLINE void accumulate_pairs_across_at(float (*acct)[TILE], const uint32_t (*pp)[TILE], const float *corr,
+                                       const bf32 (*vb)[BLOCK / 2], int pairs, int64_t d0, const int n) {
     vec a[DT][QV];
     for (int k = 0; k < n; k++)
         for (int x = 0; x < QV; x++) a[k][x] = *(const vec *)&acct[d0 + k][x * W] * *(const vec *)&corr[x * W];
     for (int j = 0; j < pairs; j++) {
         bf32 pv[QV];
-        for (int x = 0; x < QV; x++) pv[x] = *(const bf32 *)&pp[j][2 * x * W];
+        for (int x = 0; x < QV; x++) pv[x] = (bf32)*(const vecu *)&pp[j][x * W];
+        const uint16_t *row = (const uint16_t *)&vb[d0 / 16][j] + 2 * (d0 % 16);
 #pragma GCC unroll 8
         for (int k = 0; k < n; k++)
-            for (int x = 0; x < QV; x++) a[k][x] = dot2_broadcast(a[k][x], pv[x], &vp[j][2 * (d0 + k)]);
+            for (int x = 0; x < QV; x++) a[k][x] = dot2_broadcast(a[k][x], pv[x], row + 2 * k);
     }
     for (int k = 0; k < n; k++)
         for (int x = 0; x < QV; x++) *(vec *)&acct[d0 + k][x * W] = a[k][x];
@@ -255,23 +276,13 @@ INLINE void block_pairs(Online *o, int nq, const char *k, int64_t krow, const ch
     float p[BLOCK][TILE] __attribute__((aligned(64))), corr[TILE] __attribute__((aligned(64)));
     NAME(softmax_across)(o, nq, s, b0, nb, p, corr);
 
-    const int pairs = (nb + 1) / 2;  /* a row past nb: zeros, not read */
-    uint16_t pp[BLOCK / 2][2 * TILE] __attribute__((aligned(64))), vp[BLOCK / 2][2 * MAX_HEAD_DIM]
-        __attribute__((aligned(64)));
-    for (int j = 0; j < pairs; j++) {
-        for (int x = 0; x < QV; x++) {
-            const vec lo = *(const vec *)&p[2 * j][x * W],
-                      hi = 2 * j + 1 < nb ? *(const vec *)&p[2 * j + 1][x * W] : (vec){};
-            *(bf32 *)&pp[j][2 * x * W] = (bf32)(NAME(bf16_bits)(lo) | NAME(bf16_bits)(hi) << 16);
-        }
-        const uint16_t *a = (const uint16_t *)(v + 2 * j * vrow), *b = (const uint16_t *)(v + (2 * j + 1) * vrow);
-        for (int64_t c = 0; c < D; c += 16)
-            *(bf32 *)&vp[j][2 * c] =
-                interleave(*(const bf16v_u *)(a + c), 2 * j + 1 < nb ? *(const bf16v_u *)(b + c) : (bf16v_u){});
-    }
+    uint32_t pp[BLOCK / 2][TILE] __attribute__((aligned(64)));
+    bf32 vb[MAX_HEAD_DIM / 16][BLOCK / 2];
+    probability_pairs((const float (*)[TILE])p, nb, pp);
+    row_pairs(v, vrow, nb, D, vb);
     for (int64_t d = 0; d < D; d += DT)
-        accumulate_pairs_across_at(o->acct, (const uint16_t (*)[2 * TILE])pp, corr,
-                                   (const uint16_t (*)[2 * MAX_HEAD_DIM])vp, pairs, d, DT);
+        accumulate_pairs_across_at(o->acct, (const uint32_t (*)[TILE])pp, corr, (const bf32 (*)[BLOCK / 2])vb,
+                                   (nb + 1) / 2, d, DT);
 }
 
 /* AMX (`tiles`: over bfloat16 K/V, the head dimension a multiple of 32).  A prefill chunk's tile (over 16
@@ -361,22 +372,11 @@ INLINE void block_tiles(Online *o, int nq, const char *k0, int64_t krow, const c
 
     /* pa[q][j]: query q's probabilities of rows 2j and 2j + 1 in bfloat16 (zeros past nb) */
     uint32_t pairs[BLOCK / 2][TILE] __attribute__((aligned(64))), pa[TILE][BLOCK / 2] __attribute__((aligned(64)));
-    for (int j = 0; j < BLOCK / 2; j++)
-        for (int v = 0; v < QV; v++) {
-            const vec lo = 2 * j < nb ? *(const vec *)&p[2 * j][v * W] : (vec){},
-                      hi = 2 * j + 1 < nb ? *(const vec *)&p[2 * j + 1][v * W] : (vec){};
-            *(vecu *)&pairs[j][v * W] = NAME(bf16_bits)(lo) | NAME(bf16_bits)(hi) << 16;
-        }
+    probability_pairs((const float (*)[TILE])p, nb, pairs);
     for (int q = 0; q < TILE; q++)
         for (int j = 0; j < BLOCK / 2; j++) pa[q][j] = pairs[j][q];
-    /* vb[c][j]: dimensions 16c .. 16c + 15 of rows 2j and 2j + 1, interleaved (zeros past nb) */
     bf32 vb[MAX_HEAD_DIM / 16][BLOCK / 2];
-    for (int j = 0; j < BLOCK / 2; j++) {
-        const uint16_t *a = (const uint16_t *)(v0 + 2 * j * vrow), *b = (const uint16_t *)(v0 + (2 * j + 1) * vrow);
-        for (int64_t c = 0; c < D / 16; c++)
-            vb[c][j] = interleave(2 * j < nb ? *(const bf16v_u *)(a + 16 * c) : (bf16v_u){},
-                                  2 * j + 1 < nb ? *(const bf16v_u *)(b + 16 * c) : (bf16v_u){});
-    }
+    row_pairs(v0, vrow, nb, D, vb);
     TILE_LOAD(5, pa[0], sizeof(pa[0]));
     TILE_LOAD(6, pa[16], sizeof(pa[0]));
     for (int64_t c = 0; c < D / 16; c += 2) {  /* two chunks of dimensions at once: four products in flight */
