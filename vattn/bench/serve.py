@@ -49,11 +49,16 @@ from vattn.bench.processes import wait_or_kill
 from vattn.bench.pss import PeakPss, tree_peak_rss_bytes
 from vattn.bench.report import median_figures
 from vattn.report import console, machine, print_table, write_json
+from vattn.serve.server import KEEP_ALIVE
 
 SYSTEMS = ("vllm", "vattn")  # in the order they start and take turns: vLLM's saturated rate sets the Poisson rates
 LOADS = ("saturated", "busy", "calm")  # the rates: inf, then two Poisson rates
 BUSY, CALM = 0.8, 0.5  # the Poisson rates, as fractions of the saturated request throughput
 READY_TIMEOUT = 900.0  # seconds a server may take to load and compile
+# vLLM's server closes a connection idle for 5 s, less than the load generator keeps it (60 s): at a Poisson
+# rate a request sent on a connection the server is closing then fails ("Server disconnected"). It keeps
+# them as long as vattn's server does, which closes none before the client does.
+PEER_KEEP_ALIVE = {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(KEEP_ALIVE)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -127,7 +132,7 @@ class Server:
         out = dict(stdout=self._log, stderr=subprocess.STDOUT)
         if system == "vllm":
             self._proc = peers.popen(["-m", "vllm.entrypoints.openai.api_server", "--model", where, *shared,
-                                      "--disable-uvicorn-access-log"], **out)
+                                      "--disable-uvicorn-access-log"], env=PEER_KEEP_ALIVE, **out)
         else:
             self._proc = subprocess.Popen([sys.executable, "-m", "vattn", "serve", *([where] if where else []),
                                            *shared], env=allocator.preloaded(dict(os.environ)), **out)
