@@ -22,7 +22,7 @@
  *
  * Work: tiles (request, K/V head, up to TILE query vectors) are cut along the
  * rows into splits when there are too few for the threads; splits run on
- * OpenMP threads with the GIL released, longest first, and a tile's splits
+ * OpenMP threads with the GIL released, a K/V head's together, and a tile's splits
  * are merged (flash-decoding).  Inner loops use GCC vector types: the body
  * (attention_kernel.h) is compiled at 16 lanes for AVX-512 and at 8 for AVX2/FMA
  * and for the baseline ISA, and the CPU's features pick one at run time; over
@@ -120,6 +120,7 @@ typedef struct {
     int64_t j0;       /* its queries: j0 .. j0 + nq - 1 of the request's G·num_q, token-major */
     int nq;
     int64_t lo, hi;   /* the rows its queries read, together */
+    int64_t lead;     /* the rows the longest tile of its request's K/V head reads */
     int64_t splits;   /* > 1: its partial results go to `partial`, merged after */
     float *partial;   /* splits × (max[nq], sum[nq], acc[nq][D]) */
 } Tile;
@@ -350,9 +351,16 @@ static void append(const Call *c, const View *nk, const View *nv) {
     }
 }
 
-static int by_rows_descending(const void *a, const void *b) {
-    int64_t x = ((const Item *)a)->hi - ((const Item *)a)->lo, y = ((const Item *)b)->hi - ((const Item *)b)->lo;
-    return (x < y) - (x > y);
+/* Items in runs of one request's K/V head, the run of the longest first and each run's longest first:
+ * the threads take a head's tiles together, so its rows are read from memory once and then from the
+ * shared cache, where longest first alone would take every head's tiles in turn, its rows long gone. */
+static int by_head_and_rows_descending(const void *a, const void *b) {
+    const Item *x = a, *y = b;
+    int64_t lx = x->tile->lead, ly = y->tile->lead, rx = x->hi - x->lo, ry = y->hi - y->lo;
+    if (lx != ly) return (lx < ly) - (lx > ly);
+    if (x->tile->req != y->tile->req) return (x->tile->req > y->tile->req) - (x->tile->req < y->tile->req);
+    if (x->tile->head != y->tile->head) return (x->tile->head > y->tile->head) - (x->tile->head < y->tile->head);
+    return (rx < ry) - (rx > ry);
 }
 
 /* n things of `size` bytes, or NULL where they are more than memory holds. */
@@ -387,6 +395,12 @@ static int plan(Call *c, int threads, Tile **tiles_out, float **partials_out) {
                 rows = add_sat(rows, tile->hi - tile->lo);
             }
     }
+    for (int64_t first = 0; first < num_tiles;) {  /* a request's K/V head: consecutive tiles */
+        int64_t last = first, lead = 0;
+        for (; last < num_tiles && tiles[last].req == tiles[first].req && tiles[last].head == tiles[first].head; last++)
+            lead = tiles[last].hi - tiles[last].lo > lead ? tiles[last].hi - tiles[last].lo : lead;
+        for (; first < last; first++) tiles[first].lead = lead;
+    }
     /* splits of at least MIN_SPLIT rows, about four items per thread */
     int64_t chunk = threads > 1 ? rows / (4 * (int64_t)threads) : rows;
     chunk = chunk < MIN_SPLIT ? MIN_SPLIT : mul_sat(ceil_div(chunk, BLOCK), BLOCK);
@@ -420,7 +434,7 @@ static int plan(Call *c, int threads, Tile **tiles_out, float **partials_out) {
             items[n].hi = len > mul_sat(s + 1, per) ? tile->lo + (s + 1) * per : tile->hi;
         }
     }
-    qsort(items, num_items, sizeof(Item), by_rows_descending);
+    qsort(items, num_items, sizeof(Item), by_head_and_rows_descending);
     c->items = items;
     c->num_items = num_items;
     *tiles_out = tiles;
