@@ -41,12 +41,13 @@ def script(name: str) -> Path:
     return HERE / f"{name}.py"
 
 
-def popen(argv: list[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+def popen(argv: list[str], extra_env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
     """The peer's interpreter with every core, running `argv`: a script of this folder (`script(name)` and
-    its arguments) or `-m MODULE ARGS`; `env` adds variables."""
+    its arguments) or `-m MODULE ARGS`, with `extra_env`'s variables too."""
     python = vllm_python()
     if python is None:
         raise RuntimeError(HOW)
-    env = os.environ | ALL_CORES | COMPILE_CACHE | {"PYTHONPATH": "", "LD_PRELOAD": ":".join(preload(python))} | (env or {})
+    env = os.environ | ALL_CORES | COMPILE_CACHE | {"PYTHONPATH": "", "LD_PRELOAD": ":".join(preload(python))}
+    env |= extra_env or {}
     # -P: this folder must not shadow the peer's packages (transformers imports a package named `kernels`)
     return subprocess.Popen([str(python), "-P", *argv], env=env, **kwargs)

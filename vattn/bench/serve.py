@@ -132,7 +132,7 @@ class Server:
         out = dict(stdout=self._log, stderr=subprocess.STDOUT)
         if system == "vllm":
             self._proc = peers.popen(["-m", "vllm.entrypoints.openai.api_server", "--model", where, *shared,
-                                      "--disable-uvicorn-access-log"], env=PEER_KEEP_ALIVE, **out)
+                                      "--disable-uvicorn-access-log"], extra_env=PEER_KEEP_ALIVE, **out)
         else:
             self._proc = subprocess.Popen([sys.executable, "-m", "vattn", "serve", *([where] if where else []),
                                            *shared], env=allocator.preloaded(dict(os.environ)), **out)
