@@ -18,6 +18,7 @@ def run(num_prompts: int, max_tokens: int, show: int, json_path: str | None = No
     shared = {"kv_pool": pool.add("smollm2")} if pool else {}
     llm = LLM(tensor_parallel_size=tensor_parallel_size, dtype=dtype, **shared)  # SmolLM2, over that many ranks
     requests, prompts, params = workload(llm.tokenizer, num_prompts, max_tokens)
+    dtype = str(llm.engine.model.dtype).removeprefix("torch.")
     try:
         outputs, figures = serve(llm, prompts, params)
         split = pool_split(pool) if pool is not None else None  # before the cache goes, giving its chunks back
@@ -30,7 +31,6 @@ def run(num_prompts: int, max_tokens: int, show: int, json_path: str | None = No
                             title=f"request {out.request_id}: {len(out.prompt_token_ids)} prompt tokens, "
                                   f"{len(out.outputs[0].token_ids)} generated ({out.outputs[0].finish_reason})",
                             title_align="left"))
-    dtype = str(llm.engine.model.dtype).removeprefix("torch.")
     print_table(title(len(outputs), tensor_parallel_size, dtype), ["", ""], figure_rows(figures))
     if split is not None:
         print_table(*split)

@@ -317,6 +317,10 @@ class LLMEngine:
                     self.group.send(Message(self.kv.take(), query="stop"))
             finally:
                 self.group.shutdown()
+                # rank 0's shard goes now, while the interpreter is whole: its layers hold the gloo groups of
+                # transformers' mesh, whose threads abort the process when the interpreter's exit ends them
+                self.model = self.runner.model = None
+                gc.collect()
 
 
 def _freeze_heap() -> None:
