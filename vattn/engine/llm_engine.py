@@ -317,9 +317,7 @@ class LLMEngine:
                     self.group.send(Message(self.kv.take(), query="stop"))
             finally:
                 self.group.shutdown()
-                # rank 0's shard goes now, while the interpreter is whole: its layers hold the gloo groups of
-                # transformers' mesh, whose threads abort the process when the interpreter's exit ends them
-                self.model = self.runner.model = None
+                self.model = self.runner.model = None  # its gloo groups end now, not in the interpreter's exit
                 gc.collect()
 
 
