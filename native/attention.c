@@ -381,7 +381,9 @@ static int plan(Call *c, int threads, Tile **tiles_out, float **partials_out) {
     for (int64_t i = 0; i < c->num_reqs; i++) {
         const int64_t *r = c->reqs + i * REQ_FIELDS;
         if (!r[REQ_NUM_Q]) continue;  /* no tiles, however many heads */
-        for (int64_t h = 0; h < c->Hkv; h++)
+        for (int64_t h = 0; h < c->Hkv; h++) {
+            const int64_t first = t;
+            int64_t lead = 0;
             for (int64_t j0 = 0; j0 < c->G * r[REQ_NUM_Q]; j0 += TILE, t++) {
                 Tile *tile = &tiles[t];
                 int64_t nq = c->G * r[REQ_NUM_Q] - j0, unused;
@@ -393,13 +395,10 @@ static int plan(Call *c, int threads, Tile **tiles_out, float **partials_out) {
                 query_rows(c, r, j0, &tile->lo, &unused);
                 query_rows(c, r, j0 + tile->nq - 1, &unused, &tile->hi);
                 rows = add_sat(rows, tile->hi - tile->lo);
+                lead = tile->hi - tile->lo > lead ? tile->hi - tile->lo : lead;
             }
-    }
-    for (int64_t first = 0; first < num_tiles;) {  /* a request's K/V head: consecutive tiles */
-        int64_t last = first, lead = 0;
-        for (; last < num_tiles && tiles[last].req == tiles[first].req && tiles[last].head == tiles[first].head; last++)
-            lead = tiles[last].hi - tiles[last].lo > lead ? tiles[last].hi - tiles[last].lo : lead;
-        for (; first < last; first++) tiles[first].lead = lead;
+            for (int64_t u = first; u < t; u++) tiles[u].lead = lead;
+        }
     }
     /* splits of at least MIN_SPLIT rows, about four items per thread */
     int64_t chunk = threads > 1 ? rows / (4 * (int64_t)threads) : rows;
